@@ -38,7 +38,7 @@ def iter_request_tokens(md) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]
 class PortableIndexerImpl(MiniMaxM3IndexerTritonImpl):
     """Index-block scoring + top-k in torch; writes the shared top-k buffer exactly where Triton would."""
 
-    # Optional observer (the block-selection capture): called as hook(layer_prefix, token_slice, ids[H,T,topk]).
+    # Optional observer (block-selection capture): hook(layer_prefix, positions[T], ids[H,T,topk]).
     selection_hook = None
 
     def forward(self, index_query: torch.Tensor, **fused_sparse_kwargs):
@@ -57,7 +57,7 @@ class PortableIndexerImpl(MiniMaxM3IndexerTritonImpl):
                                      self.local_blocks)
             out[:, sl, :].copy_(ids)
             if PortableIndexerImpl.selection_hook is not None:
-                PortableIndexerImpl.selection_hook(self.index_cache.prefix, sl, ids)
+                PortableIndexerImpl.selection_hook(self.index_cache.prefix, positions, ids)
         nd = md.num_decode_tokens
         return (out[:, :nd] if md.num_decodes else None), (out[:, nd:n] if md.num_prefills else None)
 
