@@ -7,13 +7,18 @@ buffer, the modular MoE kernel) stays vLLM's; only the kernel math is replaced b
 from collections.abc import Iterator
 
 import torch
-from vllm.forward_context import get_forward_context
+
+from rollout.plugin.patches import ensure_m3_importable
+
+ensure_m3_importable()
+
+from vllm.forward_context import get_forward_context  # noqa: E402  (after the torchvision stub)
 from vllm.model_executor.layers.fused_moe.activation import ApplyMoEActivationConfig, MoEActivation
 from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 from vllm.models.minimax_m3.common.indexer import MiniMaxM3IndexerTritonImpl
 from vllm.models.minimax_m3.common.sparse_attention import MiniMaxM3SparseTritonImpl
 
-from rollout.plugin import portable_ops as P
+from rollout.plugin import portable_ops as P  # noqa: E402
 
 
 def iter_request_tokens(md) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:

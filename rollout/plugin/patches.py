@@ -158,15 +158,28 @@ PATCHES: tuple[Patch, ...] = (
 )
 
 
-def apply_all() -> list[str]:
+def apply_patch(patch: Patch) -> bool:
+    """Apply one patch if needed and not yet applied in this process; True when it is in effect."""
+    if patch.name in _applied:
+        return True
+    if not patch.needed():
+        return False
     release = vllm_release()
+    if release not in patch.releases:
+        raise RuntimeError(
+            f"vLLM plugin patch {patch.name!r} is needed on this machine but was written for vLLM "
+            f"{patch.releases}, not {release}; re-check its target before enabling it")
+    patch.apply()
+    _applied.append(patch.name)
+    return True
+
+
+def ensure_m3_importable() -> None:
+    """Make `vllm.models.minimax_m3` importable (modules that subclass its classes call this first)."""
+    apply_patch(PATCHES[0])
+
+
+def apply_all() -> list[str]:
     for patch in PATCHES:
-        if patch.name in _applied or not patch.needed():
-            continue
-        if release not in patch.releases:
-            raise RuntimeError(
-                f"vLLM plugin patch {patch.name!r} is needed on this machine but was written for vLLM "
-                f"{patch.releases}, not {release}; re-check its target before enabling it")
-        patch.apply()
-        _applied.append(patch.name)
+        apply_patch(patch)
     return list(_applied)
