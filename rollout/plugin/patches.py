@@ -146,6 +146,20 @@ def _patch_cpu_router() -> None:
     CPURouter._compute_routing = _compute_routing
 
 
+# --- LoRA: vLLM's M3 classes lack SupportsLoRA and their qkv projections match no LoRA wrapper (both releases).
+def _register_m3_lora() -> None:
+    import vllm.lora.utils as lora_utils
+    from vllm import ModelRegistry
+
+    from rollout.plugin import lora
+
+    for arch in ("MiniMaxM3SparseForCausalLM", "MiniMaxM3SparseForConditionalGeneration"):
+        ModelRegistry.register_model(arch, f"rollout.plugin.lora:{arch}WithLoRA")
+    wrappers = (lora.MiniMaxM3QKVIndexerWithLoRA, lora.MiniMaxM3DenseQKVWithLoRA)
+    lora_utils._all_lora_classes = wrappers + tuple(
+        c for c in lora_utils._all_lora_classes if c not in wrappers)
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch("m3_processor_without_torchvision", ("0.32.0", "0.33.0"),
           lambda: importlib.util.find_spec("torchvision") is None, _import_m3_processor_without_torchvision),
@@ -155,6 +169,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch("msa_portable_impls", ("0.32.0",), _no_triton, _patch_msa_selectors),
     Patch("cpu_experts_swigluoai_uninterleave", ("0.32.0",), _is_cpu, _patch_cpu_experts),
     Patch("cpu_router_sigmoid_bias", ("0.32.0",), _is_cpu, _patch_cpu_router),
+    Patch("m3_lora", ("0.32.0", "0.33.0"), lambda: True, _register_m3_lora),
 )
 
 
