@@ -44,9 +44,6 @@ def iter_request_tokens(md) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]
 class PortableIndexerImpl(MiniMaxM3IndexerTritonImpl):
     """Index-block scoring + top-k in torch; writes the shared top-k buffer exactly where Triton would."""
 
-    # Optional observer (block-selection capture): hook(layer_prefix, positions[T], ids[H,T,topk]).
-    selection_hook = None
-
     def forward(self, index_query: torch.Tensor, **fused_sparse_kwargs):
         if any(v is not None for v in fused_sparse_kwargs.values()):
             raise ValueError("fused decode sparse-table construction is ROCm-only")
@@ -62,8 +59,6 @@ class PortableIndexerImpl(MiniMaxM3IndexerTritonImpl):
             ids = P.index_block_topk(iq[sl], keys, positions, self.topk_blocks, self.init_blocks,
                                      self.local_blocks)
             out[:, sl, :].copy_(ids)
-            if PortableIndexerImpl.selection_hook is not None:
-                PortableIndexerImpl.selection_hook(self.index_cache.prefix, positions, ids)
         nd = md.num_decode_tokens
         return (out[:, :nd] if md.num_decodes else None), (out[:, nd:n] if md.num_prefills else None)
 

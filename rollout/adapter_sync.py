@@ -1,0 +1,141 @@
+"""In-memory adapter sync into vLLM workers: no files, a checksum of what was installed, transactional swap.
+
+Sender side (trainer / engine client): `pack_adapter(tensors)` -> safetensors bytes + `adapter_checksum(tensors)`.
+Worker side: `AdapterSyncExtension` is vLLM's `worker_extension_cls`; its methods run in every worker through
+`collective_rpc`. `m3_install_adapter` validates the adapter completely (rank, module names, every slice's shape
+against the model) before touching the engine, swaps it in under a fixed id, and restores the previous adapter
+if installing fails, so a bad adapter never leaves the engine without one.
+"""
+
+import hashlib
+import time
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+
+class AdapterError(ValueError):
+    """The adapter does not fit the served model; the engine keeps serving the previous adapter."""
+
+
+def adapter_checksum(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over (name, dtype, shape, raw bytes) in name order: what the sender sent = what the worker received."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def pack_adapter(tensors: dict[str, torch.Tensor]) -> bytes:
+    """One safetensors blob: survives vLLM's multiprocess RPC (tensors inside args would arrive as lists)."""
+    for name, t in tensors.items():
+        if not torch.isfinite(t).all():
+            raise AdapterError(f"adapter tensor {name} has NaN/Inf values; refusing to send it to the engine")
+    return save_safetensors({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+
+
+def _shape_mismatches(lora, dummy, lora_modules) -> list[str]:
+    """Compare every packed module of `lora` with vLLM's zero adapter of the same rank (its expected shapes)."""
+    errors = []
+    for name, weights in lora.loras.items():
+        if name not in lora_modules and not name.endswith(".base_layer"):
+            errors.append(f"{name}: no such LoRA module in the served model")
+            continue
+        expected = dummy.loras.get(name)
+        if expected is None:
+            errors.append(f"{name}: the served model has no LoRA weights for this module")
+            continue
+        for kind in ("lora_a", "lora_b"):
+            got, want = getattr(weights, kind), getattr(expected, kind)
+            got = got if isinstance(got, list) else [got]
+            want = want if isinstance(want, list) else [want]
+            if name.endswith(".experts"):  # [gate_up, down] 3D stacks vs the dummy's flat peft halves
+                extra = getattr(dummy.loras.get(name + ".base_layer"), kind, None)
+                want = want + ([extra] if extra is not None else [])
+            if ".experts" in name:  # compare sizes: the layouts differ, the values per expert do not
+                sizes_got = sum(g.numel() for g in got if g is not None)
+                sizes_want = sum(w.numel() for w in want if w is not None)
+                if sizes_got != sizes_want:
+                    errors.append(f"{name}.{kind}: {sizes_got} values, the model expects {sizes_want}")
+                continue
+            for i, g in enumerate(got):
+                w = want[i] if i < len(want) else None
+                if g is None:
+                    continue
+                if w is None or tuple(g.shape) != tuple(w.shape):
+                    errors.append(f"{name}.{kind}[{i}]: shape {tuple(g.shape)}, the model expects "
+                                  f"{None if w is None else tuple(w.shape)}")
+    return errors
+
+
+def installed_checksum(adapter_manager, lora_id: int) -> str:
+    """sha256 of the LoRA buffers this worker holds for `lora_id` (its slot of every wrapper's stacked weights)."""
+    slot = adapter_manager.lora_index_to_id.index(lora_id)
+    h = hashlib.sha256()
+    for name in sorted(adapter_manager.modules):
+        module = adapter_manager.modules[name]
+        for attr in ("lora_a_stacked", "lora_b_stacked", "w13_lora_a_stacked", "w13_lora_b_stacked",
+                     "w2_lora_a_stacked", "w2_lora_b_stacked"):
+            if attr in ("lora_a_stacked", "lora_b_stacked") and hasattr(module, "w13_lora_a_stacked"):
+                continue  # the MoE wrapper's lora_*_stacked lists are views of its w13/w2 buffers
+            for i, buf in enumerate(getattr(module, attr, None) or ()):
+                h.update(f"{name}|{attr}|{i}|".encode())
+                h.update(buf[slot].contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+class AdapterSyncExtension:
+    """vLLM worker extension (`LLM(worker_extension_cls="rollout.adapter_sync.AdapterSyncExtension")`)."""
+
+    def m3_install_adapter(self, blob: bytes, peft_config: dict, lora_id: int, sender_checksum: str) -> dict:
+        from vllm.lora.peft_helper import PEFTHelper
+
+        t0 = time.perf_counter()
+        tensors = load_safetensors(bytes(blob))
+        received = adapter_checksum(tensors)
+        if received != sender_checksum:
+            raise AdapterError(f"adapter corrupted in transit: sender checksum {sender_checksum[:16]}…, "
+                               f"received {received[:16]}…")
+        mgr = self.model_runner.lora_manager
+        am = mgr._adapter_manager
+        helper = PEFTHelper.from_dict(dict(peft_config))
+        try:
+            helper.validate_legal(mgr.lora_config)
+        except ValueError as e:
+            raise AdapterError(f"adapter config rejected by the engine: {e}") from e
+        model = am.model
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        lora = mgr._lora_model_cls.from_lora_tensors(
+            lora_model_id=lora_id, tensors=tensors, peft_helper=helper, device="cpu",
+            dtype=mgr.lora_config.lora_dtype, model_vocab_size=mgr.vocab_size,
+            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+            skip_prefixes=getattr(model, "lora_skip_prefixes", None))
+        lora.is_3d_lora_weight = bool(getattr(model, "is_3d_moe_weight", False))
+        try:
+            am._validate_moe_lora_format(lora)
+            am._create_merged_loras_inplace(lora)  # pack shards, scale B by alpha/r, stack experts
+        except Exception as e:
+            raise AdapterError(f"adapter does not fit the served model: {e}") from e
+        errors = _shape_mismatches(lora, am.create_dummy_lora(lora_id, helper.r, {}), am.modules)
+        if errors:
+            raise AdapterError("adapter does not fit the served model:\n  " + "\n  ".join(errors[:20]))
+
+        previous = am.get_adapter(lora_id)
+        am.remove_adapter(lora_id)
+        try:
+            am._registered_adapters[lora_id] = lora  # already merged: register without re-packing
+            am.activate_adapter(lora_id)
+        except Exception:
+            am.remove_adapter(lora_id)
+            if previous is not None:
+                am._registered_adapters[lora_id] = previous
+                am.activate_adapter(lora_id)
+            raise
+        return {"received_checksum": received, "installed_checksum": installed_checksum(am, lora_id),
+                "bytes": len(blob), "install_ms": (time.perf_counter() - t0) * 1e3}
+
+    def m3_installed_checksum(self, lora_id: int) -> str:
+        return installed_checksum(self.model_runner.lora_manager._adapter_manager, lora_id)

@@ -1,0 +1,163 @@
+"""The colocated rollout engine the trainer drives: real vLLM + our plugin and worker extension.
+
+    engine = RolloutEngine(EngineConfig(model=dir))
+    rollouts = engine.generate(prompt_ids, n=4, temperature=1.0, max_tokens=64)
+    info = engine.load_adapter(lora_tensors, peft_config)   # in memory; checksum compared here
+
+World size 1 runs vLLM in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, executor "uni"); under torchrun each rank
+builds its own engine with `distributed_executor_backend="external_launcher"`.
+"""
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rollout.adapter_sync import AdapterError, adapter_checksum, pack_adapter
+from rollout.plugin.lora import TARGET_MODULES
+
+ADAPTER_ID = 1  # the single, fixed LoRA id every request uses; swapped in place at each sync
+ADAPTER_NAME = "policy"
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: str = "bfloat16"
+    max_model_len: int = 2048
+    max_num_seqs: int = 16
+    kv_cache_memory_bytes: int | None = 64 << 20  # CPU; None on GPUs -> gpu_memory_utilization
+    gpu_memory_utilization: float = 0.5
+    enable_lora: bool = True
+    max_lora_rank: int = 32
+    kv_cache_dtype: str = "auto"
+    indexer_kv_dtype: str = "bf16"
+    capture_routing: bool = True
+    capture_blocks: bool = False
+    enable_prefix_caching: bool = False
+    logprobs_mode: str = "processed_logprobs"  # the distribution actually sampled from (after temperature)
+    enforce_eager: bool = True
+    seed: int = 0
+    distributed_executor_backend: str | None = None  # None: "uni" in-process; "external_launcher" under torchrun
+    extra: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if not os.path.isdir(self.model):
+            raise FileNotFoundError(f"rollout.model: no checkpoint directory at {self.model}")
+        if (self.capture_routing or self.capture_blocks) and self.enable_prefix_caching:
+            raise ValueError("rollout.enable_prefix_caching=true drops routing/block rows of cached tokens; "
+                             "turn it off while capture_routing or capture_blocks is on")
+        if self.max_lora_rank not in (1, 8, 16, 32, 64, 128, 256, 320, 512):
+            raise ValueError(f"rollout.max_lora_rank={self.max_lora_rank}: vLLM supports 1, 8, 16, 32, 64, ...")
+
+
+@dataclass
+class Rollout:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: np.ndarray  # [len(token_ids)] float32: the engine's logprob of each sampled token
+    finish_reason: str | None
+    routed_experts: np.ndarray | None = None  # [len(prompt)+len(tokens)-1, num_layers, topk]
+    block_ids: np.ndarray | None = None  # [len(prompt)+len(tokens)-1, num_sparse_layers, kv_heads, topk_blocks]
+
+
+class RolloutEngine:
+    def __init__(self, cfg: EngineConfig):
+        cfg.validate()
+        from vllm import LLM
+
+        import rollout.plugin
+
+        rollout.plugin.register()  # in this process too (in-process engines build the model here)
+        self.cfg = cfg
+        kwargs = dict(
+            model=cfg.model, dtype=cfg.dtype, max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+            enforce_eager=cfg.enforce_eager, seed=cfg.seed, enable_prefix_caching=cfg.enable_prefix_caching,
+            logprobs_mode=cfg.logprobs_mode, kv_cache_dtype=cfg.kv_cache_dtype,
+            worker_extension_cls="rollout.worker_extension.M3Worker",
+            distributed_executor_backend=cfg.distributed_executor_backend or "uni",
+            attention_config={"indexer_kv_dtype": cfg.indexer_kv_dtype}, **cfg.extra)
+        if cfg.kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
+        else:
+            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        if cfg.enable_lora:
+            kwargs.update(enable_lora=True, max_lora_rank=cfg.max_lora_rank, max_loras=1,
+                          lora_target_modules=TARGET_MODULES)
+        self.llm = LLM(**kwargs)
+        self.layout = None
+        if cfg.capture_routing or cfg.capture_blocks:
+            self.layout = self.llm.collective_rpc(
+                "m3_enable_capture", kwargs={"routing": cfg.capture_routing, "blocks": cfg.capture_blocks})[0]
+        self.adapter_loaded = False
+        self.adapter_version = 0
+
+    # -- adapters -------------------------------------------------------------------------------------------
+    def load_adapter(self, tensors: dict, peft_config: dict) -> dict:
+        """Install a peft-format adapter from memory in every worker; raise if any worker's checksum differs."""
+        if not self.cfg.enable_lora:
+            raise ValueError("rollout.enable_lora is false: this engine cannot take adapters")
+        t0 = time.perf_counter()
+        blob = pack_adapter(tensors)
+        checksum = adapter_checksum(tensors)
+        results = self.llm.collective_rpc("m3_install_adapter", args=(blob, dict(peft_config), ADAPTER_ID,
+                                                                      checksum))
+        installed = {r["installed_checksum"] for r in results}
+        if any(r["received_checksum"] != checksum for r in results):
+            raise AdapterError("an engine worker installed different adapter bytes than were sent")
+        self.llm.reset_prefix_cache()  # cached KV was computed under the previous adapter
+        self.adapter_loaded = True
+        self.adapter_version += 1
+        return {"checksum": checksum, "installed_checksums": sorted(installed), "bytes": len(blob),
+                "sync_ms": (time.perf_counter() - t0) * 1e3, "install_ms": max(r["install_ms"] for r in results)}
+
+    def lora_request(self):
+        if not self.adapter_loaded:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        # The path is never read: the id is registered in every worker by load_adapter.
+        return LoRARequest(ADAPTER_NAME, ADAPTER_ID, f"in-memory://{ADAPTER_NAME}/v{self.adapter_version}")
+
+    # -- generation -----------------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], n: int = 1, temperature: float = 1.0, max_tokens: int = 64,
+                 top_p: float = 1.0, seed: int | None = None, stop_token_ids: list[int] | None = None,
+                 ignore_eos: bool = False) -> list[list[Rollout]]:
+        """n samples per prompt: token ids, sampled-token logprobs and, when on, routed experts and block ids."""
+        from vllm import SamplingParams
+
+        sp = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
+                            seed=seed, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False,
+                                 lora_request=self.lora_request())
+        captured = self.llm.collective_rpc("m3_pop_capture")[0] if self.layout else {}
+        by_request = {rid.rsplit("-", 1)[0]: v for rid, v in captured.items()}  # drop vLLM's uniqueness suffix
+        results = []
+        for out in outs:
+            group = []
+            for i, c in enumerate(out.outputs):
+                cap = by_request.get(out.request_id if n == 1 else f"{c.index}_{out.request_id}", {})
+                lp = np.array([d[t].logprob for t, d in zip(c.token_ids, c.logprobs)], dtype=np.float32)
+                rows = len(out.prompt_token_ids) + len(c.token_ids) - 1
+                for key in ("routing", "blocks"):
+                    if key in cap and len(cap[key]) != rows:
+                        raise RuntimeError(f"captured {key} for request {out.request_id} has {len(cap[key])} "
+                                           f"rows, expected {rows}")
+                group.append(Rollout(list(out.prompt_token_ids), list(c.token_ids), lp, c.finish_reason,
+                                     cap.get("routing"), cap.get("blocks")))
+            results.append(group)
+        return results
+
+    # -- memory ---------------------------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        self.llm.sleep(level=level)
+
+    def wake_up(self) -> None:
+        self.llm.wake_up()
+
+    def close(self) -> None:
+        import gc
+
+        del self.llm
+        gc.collect()
