@@ -75,16 +75,16 @@ def resolve_text_config(**overrides) -> dict:
     """Default text_config + ``overrides`` + derived keys. Sparse keys may be given flat
     (``sparse_topk_blocks=4``) or as a partial ``sparse_attention_config`` dict."""
     known = set(DEFAULT_TEXT_CONFIG) | set(SPARSE_DEFAULTS) | DERIVED_KEYS | {"sparse_attention_config"}
-    if unknown := sorted(set(overrides) - known):
+    sparse_in = overrides.get("sparse_attention_config") or {}
+    if unknown := sorted(set(overrides) - known) + sorted(set(sparse_in) - _SPARSE_KEYS):
         raise ValueError(f"unknown tiny-model config key(s) {unknown}; known: {sorted(known)}")
     cfg, sparse = copy.deepcopy(DEFAULT_TEXT_CONFIG), dict(SPARSE_DEFAULTS)
-    sparse.update(copy.deepcopy(overrides.get("sparse_attention_config") or {}))
+    sparse.update(copy.deepcopy(sparse_in))
     for key, value in overrides.items():
         if key != "sparse_attention_config":
             (sparse if key in _SPARSE_KEYS else cfg)[key] = copy.deepcopy(value)
     # Bad values are left for validate_config to name, hence the guards.
-    n = cfg["num_hidden_layers"]
-    if isinstance(n, int) and n > 0:
+    if isinstance(n := cfg["num_hidden_layers"], int) and n > 0:
         pattern = [0] + [1] * (n - 1)  # layer 0 dense attention + dense MLP, like the real model
         cfg.setdefault("moe_layer_freq", list(pattern))
         sparse.setdefault("sparse_attention_freq", list(pattern))
