@@ -29,12 +29,23 @@ def adapter_checksum(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def check_finite(tensors: dict[str, torch.Tensor]) -> None:
+    """NaN/Inf never reach the engine (a sum is NaN/Inf iff some element is, barring overflow, which is as bad)."""
+    for name, t in tensors.items():
+        if not torch.isfinite(t.detach().float().sum()):
+            raise AdapterError(f"adapter tensor {name} has NaN/Inf values; refusing to send it to the engine")
+
+
 def pack_adapter(tensors: dict[str, torch.Tensor]) -> bytes:
     """One safetensors blob: survives vLLM's multiprocess RPC (tensors inside args would arrive as lists)."""
-    for name, t in tensors.items():
-        if not torch.isfinite(t).all():
-            raise AdapterError(f"adapter tensor {name} has NaN/Inf values; refusing to send it to the engine")
     return save_safetensors({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+
+
+def unpack_adapter(payload) -> dict[str, torch.Tensor]:
+    """The worker's own copy: vLLM scales lora_B in place while packing, so never alias the sender's tensors."""
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        return load_safetensors(bytes(payload))
+    return {k: v.detach().clone() for k, v in payload.items()}
 
 
 def _shape_mismatches(lora, dummy, lora_modules) -> list[str]:
@@ -71,6 +82,19 @@ def _shape_mismatches(lora, dummy, lora_modules) -> list[str]:
     return errors
 
 
+def _unknown_or_incomplete(lora, adapter_manager) -> list[str]:
+    """Module names the served model lacks (vLLM would silently ignore them) and half-present A/B pairs."""
+    known = set(adapter_manager.modules)
+    known |= {child for children in adapter_manager.packed_modules.values() for child in children}
+    errors = []
+    for name, weights in lora.loras.items():
+        if name.removesuffix(".base_layer") not in known:
+            errors.append(f"{name}: no such LoRA module in the served model")
+        elif weights.lora_a is None or weights.lora_b is None:
+            errors.append(f"{name}: has {'lora_B' if weights.lora_a is None else 'lora_A'} without its pair")
+    return errors
+
+
 def installed_checksum(adapter_manager, lora_id: int) -> str:
     """sha256 of the LoRA buffers this worker holds for `lora_id` (its slot of every wrapper's stacked weights)."""
     slot = adapter_manager.lora_index_to_id.index(lora_id)
@@ -90,11 +114,12 @@ def installed_checksum(adapter_manager, lora_id: int) -> str:
 class AdapterSyncExtension:
     """vLLM worker extension (`LLM(worker_extension_cls="rollout.adapter_sync.AdapterSyncExtension")`)."""
 
-    def m3_install_adapter(self, blob: bytes, peft_config: dict, lora_id: int, sender_checksum: str) -> dict:
+    def m3_install_adapter(self, payload, peft_config: dict, lora_id: int, sender_checksum: str) -> dict:
+        """`payload`: safetensors bytes (multiprocess engines) or the tensor dict itself (in-process engines)."""
         from vllm.lora.peft_helper import PEFTHelper
 
         t0 = time.perf_counter()
-        tensors = load_safetensors(bytes(blob))
+        tensors = unpack_adapter(payload)
         received = adapter_checksum(tensors)
         if received != sender_checksum:
             raise AdapterError(f"adapter corrupted in transit: sender checksum {sender_checksum[:16]}…, "
@@ -114,12 +139,15 @@ class AdapterSyncExtension:
             weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
             skip_prefixes=getattr(model, "lora_skip_prefixes", None))
         lora.is_3d_lora_weight = bool(getattr(model, "is_3d_moe_weight", False))
+        errors = _unknown_or_incomplete(lora, am)
+        if errors:
+            raise AdapterError("adapter does not fit the served model:\n  " + "\n  ".join(errors[:20]))
         try:
             am._validate_moe_lora_format(lora)
             am._create_merged_loras_inplace(lora)  # pack shards, scale B by alpha/r, stack experts
         except Exception as e:
             raise AdapterError(f"adapter does not fit the served model: {e}") from e
-        errors = _shape_mismatches(lora, am.create_dummy_lora(lora_id, helper.r, {}), am.modules)
+        errors = _shape_mismatches(lora, self._m3_expected_adapter(am, lora_id, helper.r), am.modules)
         if errors:
             raise AdapterError("adapter does not fit the served model:\n  " + "\n  ".join(errors[:20]))
 
@@ -135,7 +163,14 @@ class AdapterSyncExtension:
                 am.activate_adapter(lora_id)
             raise
         return {"received_checksum": received, "installed_checksum": installed_checksum(am, lora_id),
-                "bytes": len(blob), "install_ms": (time.perf_counter() - t0) * 1e3}
+                "install_ms": (time.perf_counter() - t0) * 1e3}
+
+    def _m3_expected_adapter(self, am, lora_id: int, rank: int):
+        """vLLM's zero adapter of this rank: the shapes every module expects (built once per rank)."""
+        cache = self.__dict__.setdefault("_m3_expected", {})
+        if rank not in cache:
+            cache[rank] = am.create_dummy_lora(lora_id, rank, {})
+        return cache[rank]
 
     def m3_installed_checksum(self, lora_id: int) -> str:
         return installed_checksum(self.model_runner.lora_manager._adapter_manager, lora_id)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rollout.adapter_sync import AdapterError, adapter_checksum, pack_adapter
+from rollout.adapter_sync import AdapterError, adapter_checksum, check_finite, pack_adapter
 from rollout.plugin.lora import TARGET_MODULES
 
 ADAPTER_ID = 1  # the single, fixed LoRA id every request uses; swapped in place at each sync
@@ -31,6 +31,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.5
     enable_lora: bool = True
     max_lora_rank: int = 32
+    max_loras: int = 1
     kv_cache_dtype: str = "auto"
     indexer_kv_dtype: str = "bf16"
     capture_routing: bool = True
@@ -58,6 +59,7 @@ class Rollout:
     token_ids: list[int]
     logprobs: np.ndarray  # [len(token_ids)] float32: the engine's logprob of each sampled token
     finish_reason: str | None
+    prompt_logprobs: np.ndarray | None = None  # [len(prompt)-1]: logprob of prompt token i+1 given the prefix
     routed_experts: np.ndarray | None = None  # [len(prompt)+len(tokens)-1, num_layers, topk]
     block_ids: np.ndarray | None = None  # [len(prompt)+len(tokens)-1, num_sparse_layers, kv_heads, topk_blocks]
 
@@ -83,9 +85,11 @@ class RolloutEngine:
         else:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         if cfg.enable_lora:
-            kwargs.update(enable_lora=True, max_lora_rank=cfg.max_lora_rank, max_loras=1,
+            kwargs.update(enable_lora=True, max_lora_rank=cfg.max_lora_rank, max_loras=cfg.max_loras,
                           lora_target_modules=TARGET_MODULES)
         self.llm = LLM(**kwargs)
+        self.in_process = (os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+                           and kwargs["distributed_executor_backend"] == "uni")
         self.layout = None
         if cfg.capture_routing or cfg.capture_blocks:
             self.layout = self.llm.collective_rpc(
@@ -99,9 +103,12 @@ class RolloutEngine:
         if not self.cfg.enable_lora:
             raise ValueError("rollout.enable_lora is false: this engine cannot take adapters")
         t0 = time.perf_counter()
-        blob = pack_adapter(tensors)
+        check_finite(tensors)
         checksum = adapter_checksum(tensors)
-        results = self.llm.collective_rpc("m3_install_adapter", args=(blob, dict(peft_config), ADAPTER_ID,
+        # In-process engines take the tensors as they are; worker processes need one serialized blob.
+        payload = tensors if self.in_process else pack_adapter(tensors)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        results = self.llm.collective_rpc("m3_install_adapter", args=(payload, dict(peft_config), ADAPTER_ID,
                                                                       checksum))
         installed = {r["installed_checksum"] for r in results}
         if any(r["received_checksum"] != checksum for r in results):
@@ -109,7 +116,7 @@ class RolloutEngine:
         self.llm.reset_prefix_cache()  # cached KV was computed under the previous adapter
         self.adapter_loaded = True
         self.adapter_version += 1
-        return {"checksum": checksum, "installed_checksums": sorted(installed), "bytes": len(blob),
+        return {"checksum": checksum, "installed_checksums": sorted(installed), "bytes": nbytes,
                 "sync_ms": (time.perf_counter() - t0) * 1e3, "install_ms": max(r["install_ms"] for r in results)}
 
     def lora_request(self):
@@ -123,18 +130,23 @@ class RolloutEngine:
     # -- generation -----------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], n: int = 1, temperature: float = 1.0, max_tokens: int = 64,
                  top_p: float = 1.0, seed: int | None = None, stop_token_ids: list[int] | None = None,
-                 ignore_eos: bool = False) -> list[list[Rollout]]:
+                 ignore_eos: bool = False, prompt_logprobs: bool = False) -> list[list[Rollout]]:
         """n samples per prompt: token ids, sampled-token logprobs and, when on, routed experts and block ids."""
         from vllm import SamplingParams
 
         sp = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
-                            seed=seed, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+                            seed=seed, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+                            prompt_logprobs=0 if prompt_logprobs else None)
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False,
                                  lora_request=self.lora_request())
         captured = self.llm.collective_rpc("m3_pop_capture")[0] if self.layout else {}
         by_request = {rid.rsplit("-", 1)[0]: v for rid, v in captured.items()}  # drop vLLM's uniqueness suffix
         results = []
         for out in outs:
+            plp = None
+            if prompt_logprobs:
+                plp = np.array([d[t].logprob for t, d in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])],
+                               dtype=np.float32)
             group = []
             for i, c in enumerate(out.outputs):
                 cap = by_request.get(out.request_id if n == 1 else f"{c.index}_{out.request_id}", {})
@@ -144,7 +156,7 @@ class RolloutEngine:
                     if key in cap and len(cap[key]) != rows:
                         raise RuntimeError(f"captured {key} for request {out.request_id} has {len(cap[key])} "
                                            f"rows, expected {rows}")
-                group.append(Rollout(list(out.prompt_token_ids), list(c.token_ids), lp, c.finish_reason,
+                group.append(Rollout(list(out.prompt_token_ids), list(c.token_ids), lp, c.finish_reason, plp,
                                      cap.get("routing"), cap.get("blocks")))
             results.append(group)
         return results

@@ -1,20 +1,31 @@
 """transformers' MiniMax-M3 as the independent reference for the engine (test helper).
 
 vLLM keeps the indexer's q/k in bf16 even in fp32 models (the index cache is bf16), so the reference rounds the
-index q/k to bf16 after norm + RoPE; `index_bf16=False` gives plain transformers. It also records the blocks each
-sparse layer's indexer selects.
+index q/k to bf16 after norm + RoPE; `index_bf16=False` gives plain transformers. It records the blocks each
+sparse layer's indexer selects and the experts each MoE layer's router picks.
 """
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as hf_m3
 
 
+@dataclass
+class Reference:
+    logprobs: torch.Tensor  # [T, V]: next-token logprobs after each prefix
+    blocks: dict[int, torch.Tensor]  # layer -> [H, T, topk] selected block ids (-1 padded)
+    routing: dict[int, torch.Tensor]  # layer -> [T, topk] expert ids
+
+    def token_logprobs(self, ids: list[int]) -> torch.Tensor:
+        """logprob of ids[i+1] given ids[:i+1], for i in 0..len-2."""
+        return self.logprobs[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+
+
 @contextlib.contextmanager
-def reference_mode(index_bf16: bool = True):
-    """Patch the transformers indexer for the duration; yields {layer_idx: int [H, T, topk]} selections."""
-    selections: dict[int, torch.Tensor] = {}
+def reference_mode(model, index_bf16: bool = True):
+    blocks, routing = {}, {}
     indexer_forward = hf_m3.MiniMaxM3VLIndexer.forward
     rope = hf_m3.apply_rotary_pos_emb
 
@@ -29,14 +40,22 @@ def reference_mode(index_bf16: bool = True):
             ids = indexer_forward(self, *args, **kwargs)
         finally:
             hf_m3.apply_rotary_pos_emb = rope
-        selections[self.layer_idx] = ids[0].detach().clone()
+        blocks[self.layer_idx] = ids[0].detach().clone()
         return ids
 
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        gate = getattr(layer.mlp, "gate", None)
+        if isinstance(gate, hf_m3.MiniMaxM3VLTopKRouter):
+            hooks.append(gate.register_forward_hook(
+                lambda mod, inp, out, i=i: routing.__setitem__(i, out[2].detach().clone())))
     hf_m3.MiniMaxM3VLIndexer.forward = forward
     try:
-        yield selections
+        yield blocks, routing
     finally:
         hf_m3.MiniMaxM3VLIndexer.forward = indexer_forward
+        for h in hooks:
+            h.remove()
 
 
 def load_reference(hf_dir, dtype=torch.float32):
@@ -48,8 +67,13 @@ def load_reference(hf_dir, dtype=torch.float32):
 
 
 @torch.no_grad()
-def teacher_forced(model, token_ids: list[int], index_bf16: bool = True):
-    """(logprobs [T, V] of next tokens given each prefix, {layer: block ids [H, T, topk]})."""
-    with reference_mode(index_bf16) as selections:
-        logits = model(torch.tensor([token_ids])).logits[0].float()
-    return torch.log_softmax(logits, dim=-1), dict(selections)
+def teacher_forced(model, token_ids: list[int], index_bf16: bool = True) -> Reference:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    with reference_mode(base, index_bf16) as (blocks, routing):
+        logits = model(input_ids=torch.tensor([token_ids])).logits[0].float()
+    return Reference(torch.log_softmax(logits, dim=-1), dict(blocks), dict(routing))
+
+
+def block_sets(ids: torch.Tensor) -> list[set[int]]:
+    """Per head, the set of selected blocks (the order among forced blocks is not part of the contract)."""
+    return [set(row[row >= 0].tolist()) for row in ids]

@@ -1,0 +1,47 @@
+"""Shared pieces of the engine tests: deterministic prompts, engines on the tiny model, the comparison."""
+
+import torch
+
+from rollout.engine import EngineConfig, RolloutEngine
+from rollout.tiny_model import ensure_tiny_model
+from tests.rollout.hf_reference import block_sets, load_reference, teacher_forced
+
+SHORT, LONG, NEW_TOKENS, BLOCK = 32, 700, 8, 128
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, 500, (n,), generator=g).tolist()  # ordinary (non-special) tokens of the 512 vocab
+
+
+def make_engine(dtype: str = "float32", **overrides):
+    paths = ensure_tiny_model(dtype=dtype)
+    cfg = EngineConfig(model=str(paths.vllm), dtype=dtype, capture_blocks=True, **overrides)
+    return RolloutEngine(cfg), load_reference(paths.hf), paths
+
+
+def run_and_compare(engine: RolloutEngine, reference, ids: list[int], greedy: bool = True) -> dict:
+    """Generate from `ids`, then teacher-force the same tokens through the reference; return the differences."""
+    r = engine.generate([ids], n=1, temperature=0.0 if greedy else 1.0, seed=0, max_tokens=NEW_TOKENS,
+                        ignore_eos=True, prompt_logprobs=True)[0][0]
+    full = ids + r.token_ids
+    ref = teacher_forced(reference, full)
+    token_lp = ref.token_logprobs(full)
+    n = len(ids)
+    fed = full[:-1]  # the engine never feeds the last sampled token back
+    return {
+        "rollout": r,
+        "ref": ref,
+        "ref_greedy": ref.logprobs[n - 1:len(full) - 1].argmax(-1).tolist(),
+        "prompt_delta": (torch.from_numpy(r.prompt_logprobs) - token_lp[: n - 1]).abs(),
+        "new_delta": (torch.from_numpy(r.logprobs) - token_lp[n - 1:]).abs(),
+        "rows": len(fed),
+    }
+
+
+def block_agreement(result: dict, sparse_layers: list[int]) -> float:
+    """Fraction of (sparse layer, query) pairs whose engine block sets equal the reference indexer's."""
+    blocks = result["rollout"].block_ids  # [rows, L_sparse, H, topk]
+    pairs = [(block_sets(torch.from_numpy(blocks[pos, j]).long()), block_sets(result["ref"].blocks[layer][:, pos]))
+             for j, layer in enumerate(sparse_layers) for pos in range(result["rows"])]
+    return sum(a == b for a, b in pairs) / len(pairs)
