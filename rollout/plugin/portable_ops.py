@@ -12,10 +12,17 @@ Written for clarity over speed: per-request dense math over the request's own ke
 
 import torch
 
+from quant.kv_cache import nvfp4_kv_qdq
+
 SPARSE_BLOCK = 128  # vLLM's MSA page size; the only block size its kernels support
 FORCED_INIT_SCORE = 1e30  # init blocks are forced first ...
 FORCED_LOCAL_SCORE = 1e29  # ... then the local (most recent) blocks; local wins when a block is both
 NAN_SCORE = -1e30
+
+# NVFP4 cache emulation for this process's model, set from the engine config when the model is built (see
+# patches._patch_nvfp4_kv_cache): the caches keep a wide dtype but hold exactly what the SM100 NVFP4 writer would
+# reconstruct. The global scale is 1.0: vLLM loads no k/v scales for M3 (set_default_quant_scales).
+NVFP4_EMULATION = {"kv": False, "index_k": False}
 
 
 def gemma_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -80,6 +87,10 @@ def qknorm_rope_kv_insert(
 
     q = _norm_rope(qkv[:, :q_size].view(n, num_heads, hd), q_norm_weight, cos_sin, rotary_dim, eps)
     k = _norm_rope(qkv[:, q_size:q_size + kv_size].view(n, num_kv_heads, hd), k_norm_weight, cos_sin, rotary_dim, eps)
+    v = qkv[:, q_size + kv_size:q_size + 2 * kv_size].view(n, num_kv_heads, hd)
+    if NVFP4_EMULATION["kv"]:  # in place in qkv too: dense layers hand qkv's k/v to vLLM's attention
+        k = nvfp4_kv_qdq(k)
+        v.copy_(nvfp4_kv_qdq(v))
     qkv[:, q_size:q_size + kv_size] = k.reshape(n, kv_size)
     (q_out if q_out is not None else qkv[:, :q_size]).copy_(q.reshape(n, q_size))
 
@@ -90,6 +101,8 @@ def qknorm_rope_kv_insert(
         ik = qkv[:, off + num_index_heads * idim:off + (num_index_heads + 1) * idim].view(n, 1, idim)
         iq = _norm_rope(iq, index_q_norm_weight, cos_sin, rotary_dim, eps)
         ik = _norm_rope(ik, index_k_norm_weight, cos_sin, rotary_dim, eps)
+        if NVFP4_EMULATION["index_k"]:
+            ik = nvfp4_kv_qdq(ik)
         qkv[:, off + num_index_heads * idim:off + (num_index_heads + 1) * idim] = ik.reshape(n, idim)
         (index_q_out if index_q_out is not None else qkv[:, off:off + num_index_heads * idim]).copy_(
             iq.reshape(n, num_index_heads * idim))
@@ -98,7 +111,6 @@ def qknorm_rope_kv_insert(
             _scatter_tokens(index_cache, slots[:n], ik.reshape(n, idim), block_size)
 
     if kv_cache is not None and kv_cache.numel() > 0:
-        v = qkv[:, q_size + kv_size:q_size + 2 * kv_size].view(n, num_kv_heads, hd)
         # Main cache [num_blocks, num_kv_heads, block, 2*head_dim]: K in [..., :hd], V in [..., hd:].
         kv_tokens = kv_cache.transpose(1, 2)  # [num_blocks, block, heads, 2*hd]
         _scatter_tokens(kv_tokens, slot_mapping[:n], torch.cat([k, v], dim=-1), block_size)

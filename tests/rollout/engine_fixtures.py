@@ -20,12 +20,12 @@ def make_engine(dtype: str = "float32", **overrides):
     return RolloutEngine(cfg), load_reference(paths.hf), paths
 
 
-def run_and_compare(engine: RolloutEngine, reference, ids: list[int], greedy: bool = True) -> dict:
+def run_and_compare(engine: RolloutEngine, reference, ids: list[int], greedy: bool = True, **mode) -> dict:
     """Generate from `ids`, then teacher-force the same tokens through the reference; return the differences."""
     r = engine.generate([ids], n=1, temperature=0.0 if greedy else 1.0, seed=0, max_tokens=NEW_TOKENS,
                         ignore_eos=True, prompt_logprobs=True)[0][0]
     full = ids + r.token_ids
-    ref = teacher_forced(reference, full)
+    ref = teacher_forced(reference, full, **mode)
     token_lp = ref.token_logprobs(full)
     n = len(ids)
     fed = full[:-1]  # the engine never feeds the last sampled token back
