@@ -23,6 +23,15 @@ def DENSE_LAYER(num_experts: int) -> int:
     return int(np.iinfo(routing_dtype(num_experts)).max)
 
 
+def encode_array(a: np.ndarray) -> tuple[str, tuple[int, ...], bytes]:
+    return str(a.dtype), tuple(a.shape), a.tobytes()
+
+
+def decode_array(t) -> np.ndarray:
+    dtype, shape, data = t
+    return np.frombuffer(data, dtype=dtype).reshape(shape).copy()
+
+
 def _layer_index(name: str) -> int:
     from vllm.model_executor.models.utils import extract_layer_index
 
@@ -115,16 +124,18 @@ class CaptureExtension:
                 entry["blocks"].append(blocks[offset:offset + n])
             offset += n
 
-    def m3_pop_capture(self) -> dict[str, dict[str, np.ndarray]]:
-        """Everything captured since the last pop, per engine request id; clears it."""
+    def m3_pop_capture(self) -> dict[str, dict[str, tuple]]:
+        """Everything captured since the last pop, per engine request id, as `encode_array` triples; clears it.
+
+        Plain (dtype, shape, bytes): vLLM's multiprocess RPC does not hand numpy arrays back as arrays."""
         s = self.model_runner._m3_capture
         dtype = routing_dtype(s["num_experts"])
         out = {}
         for rid, entry in s["store"].items():
             out[rid] = {}
             if entry["routing"]:
-                out[rid]["routing"] = torch.cat(entry["routing"]).numpy().astype(dtype)
+                out[rid]["routing"] = encode_array(torch.cat(entry["routing"]).numpy().astype(dtype))
             if entry["blocks"]:
-                out[rid]["blocks"] = torch.cat(entry["blocks"]).numpy()
+                out[rid]["blocks"] = encode_array(torch.cat(entry["blocks"]).numpy())
         s["store"] = {}
         return out

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rollout.adapter_sync import AdapterError, adapter_checksum, check_finite, pack_adapter
+from rollout.capture import decode_array
 from rollout.plugin.lora import TARGET_MODULES
 
 ADAPTER_ID = 1  # the single, fixed LoRA id every request uses; swapped in place at each sync
@@ -140,7 +141,8 @@ class RolloutEngine:
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False,
                                  lora_request=self.lora_request())
         captured = self.llm.collective_rpc("m3_pop_capture")[0] if self.layout else {}
-        by_request = {rid.rsplit("-", 1)[0]: v for rid, v in captured.items()}  # drop vLLM's uniqueness suffix
+        by_request = {rid.rsplit("-", 1)[0]: {k: decode_array(a) for k, a in v.items()}  # drop vLLM's id suffix
+                      for rid, v in captured.items()}
         results = []
         for out in outs:
             plp = None
