@@ -1,0 +1,177 @@
+"""Rank-r LoRA on the frozen (quantized) base, computed unmerged the way vLLM's LoRA layers compute it, saved and
+loaded in peft's format with the exact names and shapes vLLM's loader accepts for MiniMax-M3.
+
+vLLM adds `B(Ax)` beside the quantized base GEMM: the shrink `x @ A^T` accumulates in an fp32 buffer, the buffer is
+cast to the activation dtype, and the expand uses B pre-scaled by alpha/r in the LoRA dtype (`lora_b *= scaling`
+in `LoRALayerWeights.optimize`). We never fold the delta into the weight (peft does for MoE experts), which a
+quantized base could not hold and which is not what the engine computes.
+
+peft names (transformers' minimax_m3_vl module paths, `base_model.model.` prefix):
+  linear  `{path}.lora_A.weight` [r, in], `{path}.lora_B.weight` [out, r]
+  experts (peft's 3D format for `target_parameters`): gate_up `mlp.experts.base_layer.lora_A.weight` [E*r, H]
+          (rows expert-major) and `.lora_B.weight` [2I, E*r] (columns expert-fastest); down
+          `mlp.experts.lora_A.weight` [E*r, I], `mlp.experts.lora_B.weight` [H, E*r].
+"""
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+PEFT_PREFIX = "base_model.model."
+
+
+@dataclass
+class LoRAConfig:
+    rank: int = 32
+    alpha: float = 64.0
+    dropout: float = 0.0
+    # transformers module names; q_proj/k_proj also match the indexer's (self_attn.indexer.{q,k}_proj)
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                "gate_up_proj", "down_proj"])
+    target_experts: bool = True
+    # The indexer's projections only choose MSA blocks (a discrete top-k), so a token-level loss gives their LoRA
+    # no gradient; adapting them changes nothing during RL unless another loss trains them. Kept configurable.
+    target_indexer: bool = True
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def validate(self) -> None:
+        if self.rank not in (1, 8, 16, 32, 64, 128, 256, 320, 512):
+            raise ValueError(f"lora.rank={self.rank}: vLLM serves ranks 1, 8, 16, 32, 64, 128, 256, 320, 512")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout={self.dropout}: must be in [0, 1)")
+
+
+def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """vLLM's order: shrink in fp32, cast to x's dtype, expand with B*scaling rounded to x's dtype."""
+    h = (x.float() @ a.float().t()).to(x.dtype)
+    return h @ (b.to(x.dtype) * scaling).to(x.dtype).t()
+
+
+class LoRALinear(nn.Module):
+    """`base(x) + B(A(x))*alpha/r` over a frozen base module (nn.Linear, MXFP8Linear, ...)."""
+
+    def __init__(self, base: nn.Module, in_features: int, out_features: int, cfg: LoRAConfig):
+        super().__init__()
+        self.base, self.scaling = base, cfg.scaling
+        self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout else nn.Identity()
+        self.lora_A = nn.Parameter(torch.empty(cfg.rank, in_features))
+        self.lora_B = nn.Parameter(torch.zeros(out_features, cfg.rank))  # peft's init: the adapter starts at 0
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + lora_delta(self.dropout(x), self.lora_A, self.lora_B, self.scaling)
+
+
+class ExpertLoRA(nn.Module):
+    """Per-expert LoRA of the routed experts' fused gate_up [2I, H] and down [H, I]."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, cfg: LoRAConfig):
+        super().__init__()
+        r, self.scaling = cfg.rank, cfg.scaling
+        self.gate_up_A = nn.Parameter(torch.empty(num_experts, r, hidden))
+        self.gate_up_B = nn.Parameter(torch.zeros(num_experts, 2 * intermediate, r))
+        self.down_A = nn.Parameter(torch.empty(num_experts, r, intermediate))
+        self.down_B = nn.Parameter(torch.zeros(num_experts, hidden, r))
+        for a in (self.gate_up_A, self.down_A):
+            for e in range(num_experts):
+                nn.init.kaiming_uniform_(a[e], a=math.sqrt(5))
+
+    def gate_up(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        return lora_delta(x, self.gate_up_A[e], self.gate_up_B[e], self.scaling)
+
+    def down(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        return lora_delta(x, self.down_A[e], self.down_B[e], self.scaling)
+
+
+# --- peft format -------------------------------------------------------------------------------------------------
+def _experts_to_peft(m: ExpertLoRA) -> dict[str, torch.Tensor]:
+    e, r = m.gate_up_A.shape[:2]
+
+    def flat_a(a):  # [E, r, in] -> [E*r, in], expert-major rows
+        return a.reshape(e * r, a.shape[-1])
+
+    def flat_b(b):  # [E, out, r] -> [out, r*E] with the expert index fastest
+        return b.permute(1, 2, 0).reshape(b.shape[1], r * e)
+
+    return {"base_layer.lora_A.weight": flat_a(m.gate_up_A), "base_layer.lora_B.weight": flat_b(m.gate_up_B),
+            "lora_A.weight": flat_a(m.down_A), "lora_B.weight": flat_b(m.down_B)}
+
+
+def _experts_from_peft(m: ExpertLoRA, t: dict[str, torch.Tensor]) -> None:
+    e, r = m.gate_up_A.shape[:2]
+    with torch.no_grad():
+        m.gate_up_A.copy_(t["base_layer.lora_A.weight"].reshape(e, r, -1))
+        m.down_A.copy_(t["lora_A.weight"].reshape(e, r, -1))
+        m.gate_up_B.copy_(t["base_layer.lora_B.weight"].reshape(-1, r, e).permute(2, 0, 1))
+        m.down_B.copy_(t["lora_B.weight"].reshape(-1, r, e).permute(2, 0, 1))
+
+
+def adapter_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Every LoRA tensor of `model` under its peft name (module paths are transformers' minimax_m3_vl paths)."""
+    out = {}
+    for path, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            out[f"{PEFT_PREFIX}{path}.lora_A.weight"] = module.lora_A
+            out[f"{PEFT_PREFIX}{path}.lora_B.weight"] = module.lora_B
+        elif isinstance(module, ExpertLoRA):
+            experts = path.removesuffix(".lora")
+            out.update({f"{PEFT_PREFIX}{experts}.{k}": v for k, v in _experts_to_peft(module).items()})
+    return {k: (v.detach().to(dtype) if dtype else v.detach()).contiguous() for k, v in out.items()}
+
+
+def peft_config(cfg: LoRAConfig) -> dict:
+    """adapter_config.json content peft and vLLM read (target_parameters = the 3D expert format)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
+            "lora_dropout": cfg.dropout, "target_modules": sorted(cfg.target_modules), "bias": "none",
+            "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if cfg.target_experts else None,
+            "exclude_modules": None if cfg.target_indexer else ["indexer.q_proj", "indexer.k_proj"],
+            "use_rslora": False, "use_dora": False, "inference_mode": True, "fan_in_fan_out": False,
+            "init_lora_weights": True, "modules_to_save": None, "base_model_name_or_path": None}
+
+
+def load_adapter_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy peft-format tensors into `model`'s LoRA parameters; one error listing names/shapes that do not fit."""
+    mine = adapter_state_dict(model)
+    problems = [f"unexpected tensor {k}" for k in tensors if k not in mine]
+    problems += [f"missing tensor {k}" for k in mine if k not in tensors]
+    problems += [f"{k}: shape {tuple(tensors[k].shape)}, the model needs {tuple(v.shape)}"
+                 for k, v in mine.items() if k in tensors and tensors[k].shape != v.shape]
+    if problems:
+        raise ValueError("adapter does not fit the model:\n  " + "\n  ".join(problems[:20]))
+    with torch.no_grad():
+        for path, module in model.named_modules():
+            if isinstance(module, LoRALinear):
+                module.lora_A.copy_(tensors[f"{PEFT_PREFIX}{path}.lora_A.weight"])
+                module.lora_B.copy_(tensors[f"{PEFT_PREFIX}{path}.lora_B.weight"])
+            elif isinstance(module, ExpertLoRA):
+                prefix = f"{PEFT_PREFIX}{path.removesuffix('.lora')}."
+                _experts_from_peft(module, {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
+
+
+def save_adapter(model: nn.Module, cfg: LoRAConfig, out_dir, dtype=torch.bfloat16) -> Path:
+    """peft's on-disk format (adapter_model.safetensors + adapter_config.json), written atomically."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(adapter_state_dict(model, dtype), str(tmp / "adapter_model.safetensors"))
+    (tmp / "adapter_config.json").write_text(json.dumps(peft_config(cfg), indent=2) + "\n")
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for m in model.modules() if isinstance(m, (LoRALinear, ExpertLoRA))
+            for n, p in m.named_parameters(recurse=False)]

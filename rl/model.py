@@ -1,0 +1,294 @@
+"""The trainer's MiniMax-M3: the frozen base exactly as the engine serves it, rank-r LoRA, routing and MSA replay.
+
+Module paths are transformers' `minimax_m3_vl` paths (so LoRA tensors get peft's names); the config is
+transformers' `MiniMaxM3VLTextConfig` parsed from the served checkpoint; norms and the rotary frequencies are
+transformers' classes. The forward follows vLLM's op order and precision, not transformers': Gemma norms with the
+fused residual add in fp32, RoPE with vLLM's model-dtype cos/sin cache, fp32 router, routed-expert weights scaled
+before the fp32 weighted sum, the index q/k rounded to bf16, LoRA beside each base GEMM.
+
+Inputs are packed without padding: `input_ids [T]` with `cu_seqlens [B+1]` (left padding would shift MSA blocks).
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
+from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLRMSNorm
+
+from quant.kv_cache import nvfp4_kv_qdq
+from rl import msa
+from rl.lora import ExpertLoRA, LoRAConfig, LoRALinear
+from rl.quantized_base import BaseWeights, ExpertWeights
+from rl.routing_replay import route, routing_agreement, validate_replay
+from rollout.plugin.portable_ops import neox_rope, swigluoai_uninterleave
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass
+class TrainerModelConfig:
+    path: str  # the served checkpoint (bf16 or quantized by scripts/quantize_checkpoint.py)
+    dtype: str = "bfloat16"
+    base: str = "quantized"  # "quantized": NVFP4 experts + MXFP8 linears (quantized on load if stored bf16); "bf16"
+    profile: str = "hopper"  # serving form: "hopper" (H100/H200, any LoRA) | "blackwell" (SM100 without LoRA)
+    marlin_flush: bool = False  # zero subnormal NVFP4 block scales as vLLM's Marlin (GPU + LoRA) does
+    kv_cache_dtype: str = "auto"  # "nvfp4": K/V QDQ as the engine's NVFP4 cache stores them
+    indexer_kv_dtype: str = "bf16"  # "nvfp4": index keys QDQ likewise
+    attention_impl: str = "auto"  # MSA: "reference" (CPU), "flex" (GPU), "auto"
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model.dtype={self.dtype!r}: expected one of {sorted(DTYPES)}")
+        for key, value, allowed in (("base", self.base, ("quantized", "bf16")),
+                                    ("profile", self.profile, ("hopper", "blackwell")),
+                                    ("kv_cache_dtype", self.kv_cache_dtype, ("auto", "nvfp4")),
+                                    ("indexer_kv_dtype", self.indexer_kv_dtype, ("bf16", "nvfp4")),
+                                    ("attention_impl", self.attention_impl, ("auto", "reference", "flex"))):
+            if value not in allowed:
+                raise ValueError(f"model.{key}={value!r}: expected one of {list(allowed)}")
+        self.lora.validate()
+
+
+@dataclass
+class ForwardStats:
+    routing_agreement: dict[int, float] = field(default_factory=dict)  # MoE layer -> own == used
+    block_agreement: dict[int, float] = field(default_factory=dict)  # sparse layer -> own == used
+
+
+def _norm(norm: MiniMaxM3VLRMSNorm, x: torch.Tensor) -> torch.Tensor:
+    return norm(x)
+
+
+def fused_add_norm(norm: MiniMaxM3VLRMSNorm, x: torch.Tensor, residual: torch.Tensor):
+    """vLLM's fused add + Gemma norm: the residual is stored in the activation dtype, the norm reads the fp32 sum."""
+    total = x.float() + residual.float()
+    normed = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + norm.eps) * (1.0 + norm.weight.float())
+    return normed.to(x.dtype), total.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """vLLM's cos/sin cache: fp32 angles, cast to the model dtype, then applied in fp32 (NeoX, partial)."""
+
+    def __init__(self, cfg: MiniMaxM3VLTextConfig, dtype: torch.dtype):
+        super().__init__()
+        rope = cfg.rope_parameters
+        self.rotary_dim = int(cfg.head_dim * rope.get("partial_rotary_factor", 1.0))
+        inv = 1.0 / (rope["rope_theta"] ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+        self.dtype = dtype
+
+    def cos_sin(self, positions: torch.Tensor) -> torch.Tensor:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :].to(positions.device)
+        return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(self.dtype)
+
+
+def norm_rope(norm: MiniMaxM3VLRMSNorm, x: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    return neox_rope(norm(x), cos_sin, rotary_dim)  # the norm is stored in the activation dtype before RoPE
+
+
+class Indexer(nn.Module):
+    def __init__(self, cfg, base: BaseWeights, layer: int, lora: LoRAConfig | None):
+        super().__init__()
+        p = f"model.layers.{layer}.self_attn"
+        self.q_proj = base.linear(f"{p}.index_q_proj", lora if lora and lora.target_indexer else None)
+        self.k_proj = base.linear(f"{p}.index_k_proj", lora if lora and lora.target_indexer else None)
+        self.q_norm = base.norm(f"{p}.index_q_norm", cfg.rms_norm_eps)
+        self.k_norm = base.norm(f"{p}.index_k_norm", cfg.rms_norm_eps)
+        self.heads, self.dim = cfg.index_n_heads, cfg.index_head_dim
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, base: BaseWeights, layer: int, sparse: dict | None, model_cfg: TrainerModelConfig):
+        super().__init__()
+        p, lora = f"model.layers.{layer}.self_attn", model_cfg.lora
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            base.linear(f"{p}.{n}_proj", lora if f"{n}_proj" in lora.target_modules else None) for n in "qkvo")
+        self.q_norm = base.norm(f"{p}.q_norm", cfg.rms_norm_eps)
+        self.k_norm = base.norm(f"{p}.k_norm", cfg.rms_norm_eps)
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.sparse = sparse
+        self.indexer = Indexer(cfg, base, layer, lora if "q_proj" in lora.target_modules else None) if sparse else None
+        self.kv_nvfp4 = model_cfg.kv_cache_dtype == "nvfp4"
+        self.index_nvfp4 = model_cfg.indexer_kv_dtype == "nvfp4"
+        self.impl = model_cfg.attention_impl
+
+    def forward(self, x, cos_sin, rotary_dim, cu_seqlens, positions, replay_blocks=None):
+        t = x.shape[0]
+        q = norm_rope(self.q_norm, self.q_proj(x).view(t, self.heads, self.head_dim), cos_sin, rotary_dim)
+        k = norm_rope(self.k_norm, self.k_proj(x).view(t, self.kv_heads, self.head_dim), cos_sin, rotary_dim)
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        if self.kv_nvfp4:
+            k, v = nvfp4_kv_qdq(k), nvfp4_kv_qdq(v)
+        own = agreement = None
+        if self.indexer is not None:
+            ix = self.indexer
+            iq = norm_rope(ix.q_norm, ix.q_proj(x).view(t, ix.heads, ix.dim), cos_sin, rotary_dim)
+            ik = norm_rope(ix.k_norm, ix.k_proj(x).view(t, 1, ix.dim), cos_sin, rotary_dim)[:, 0]
+            ik = ik.to(torch.bfloat16)  # vLLM's index cache is bf16 even in fp32 models
+            if self.index_nvfp4:
+                ik = nvfp4_kv_qdq(ik)
+            with torch.no_grad():
+                own = msa.select_blocks(iq, ik, cu_seqlens, self.sparse["topk"], self.sparse["init"],
+                                        self.sparse["local"])
+            blocks = own
+            if replay_blocks is not None:
+                msa.validate_block_ids(replay_blocks, cu_seqlens, num_heads=self.kv_heads)
+                blocks = replay_blocks.to(own.device)
+            agreement = msa.selection_agreement(own, blocks)
+        else:
+            blocks = all_visible_blocks(positions, self.kv_heads)
+        out = msa.sparse_attention(q, k, v, blocks, cu_seqlens, self.head_dim ** -0.5, impl=self.impl,
+                                   validate=False)
+        return self.o_proj(out.reshape(t, self.heads * self.head_dim)), own, agreement
+
+
+def all_visible_blocks(positions: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Dense causal attention as block-sparse attention that selects every visible block."""
+    nb = int(positions.max()) // msa.BLOCK + 1
+    ids = torch.arange(nb, device=positions.device)[None, :].expand(len(positions), nb)
+    ids = torch.where(ids <= (positions // msa.BLOCK)[:, None], ids, -1).to(torch.int32)
+    return ids[:, None, :].expand(len(positions), kv_heads, nb).contiguous()
+
+
+class MLP(nn.Module):
+    """Dense MLP / shared expert: fused gate_up -> SwiGLU-OAI (clamped) -> down."""
+
+    def __init__(self, base: BaseWeights, prefix: str, src: str, cfg, lora: LoRAConfig):
+        super().__init__()
+        use = lambda n: lora if n in lora.target_modules else None  # noqa: E731
+        self.gate_up_proj = base.fused_linear(f"{prefix}.gate_up_proj", [f"{src}.gate_proj", f"{src}.up_proj"],
+                                              use("gate_up_proj"))
+        self.down_proj = base.linear(f"{src}.down_proj", use("down_proj"), name=f"{prefix}.down_proj")
+        self.alpha, self.limit, self.beta = cfg.swiglu_alpha, cfg.swiglu_limit, cfg.swiglu_beta
+
+    def forward(self, x):
+        return self.down_proj(swigluoai_uninterleave(self.gate_up_proj(x), self.alpha, self.limit, self.beta))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg, base: BaseWeights, layer: int, model_cfg: TrainerModelConfig):
+        super().__init__()
+        p = f"model.layers.{layer}.block_sparse_moe"
+        self.register_buffer("gate", base.tensor(f"{p}.gate.weight").float())
+        self.register_buffer("bias", base.tensor(f"{p}.e_score_correction_bias").float())
+        self.experts = base.experts(f"{p}.experts", cfg.num_local_experts)
+        lora = model_cfg.lora
+        if lora.target_experts:  # at mlp.experts.lora: peft names it mlp.experts[.base_layer].lora_*
+            self.experts.lora = ExpertLoRA(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size, lora)
+        self.shared_experts = MLP(base, f"model.layers.{layer}.mlp.shared_experts", f"{p}.shared_experts", cfg, lora)
+        self.top_k, self.scaling = cfg.num_experts_per_tok, cfg.routed_scaling_factor
+        self.alpha, self.limit, self.beta = cfg.swiglu_alpha, cfg.swiglu_limit, cfg.swiglu_beta
+
+    def forward(self, x, replay_ids=None):
+        logits = x.float() @ self.gate.t()  # GateLinear: fp32 weights and output
+        weights, ids, own = route(logits, self.bias, self.top_k, self.scaling, replay_ids)
+        acc = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        lora = getattr(self.experts, "lora", None)
+        for e in torch.unique(ids).tolist():
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            xe = x[tok]
+            gate_up = self.experts.gate_up(xe, e)
+            if lora is not None:
+                gate_up = gate_up + lora.gate_up(xe, e)
+            act = swigluoai_uninterleave(gate_up, self.alpha, self.limit, self.beta)
+            y = self.experts.down(act, e)
+            if lora is not None:
+                y = y + lora.down(act, e)
+            acc = acc.index_add(0, tok, y.float() * weights[tok, slot, None])
+        return acc.to(x.dtype) + self.shared_experts(x), own, ids
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, base: BaseWeights, layer: int, sparse: dict | None, is_moe: bool, mcfg):
+        super().__init__()
+        p = f"model.layers.{layer}"
+        self.input_layernorm = base.norm(f"{p}.input_layernorm", cfg.rms_norm_eps)
+        self.post_attention_layernorm = base.norm(f"{p}.post_attention_layernorm", cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, base, layer, sparse, mcfg)
+        self.mlp = MoE(cfg, base, layer, mcfg) if is_moe else MLP(base, f"{p}.mlp", f"{p}.mlp", cfg, mcfg.lora)
+        self.is_moe = is_moe
+
+    def forward(self, x, residual, rope, cu_seqlens, positions, replay_ids=None, replay_blocks=None):
+        if residual is None:
+            residual, x = x, _norm(self.input_layernorm, x)
+        else:
+            x, residual = fused_add_norm(self.input_layernorm, x, residual)
+        x, own_blocks, block_agree = self.self_attn(x, *rope, cu_seqlens, positions, replay_blocks)
+        x, residual = fused_add_norm(self.post_attention_layernorm, x, residual)
+        own_ids = used_ids = None
+        if self.is_moe:
+            x, own_ids, used_ids = self.mlp(x, replay_ids)
+        else:
+            x = self.mlp(x)
+        return x, residual, (own_blocks, block_agree, own_ids, used_ids)
+
+
+class M3ForTraining(nn.Module):
+    def __init__(self, mcfg: TrainerModelConfig):
+        super().__init__()
+        mcfg.validate()
+        self.mcfg = mcfg
+        self.dtype = DTYPES[mcfg.dtype]
+        base = BaseWeights.open(mcfg.path, self.dtype, mcfg.base, mcfg.profile, mcfg.marlin_flush)
+        self.raw_config = base.text_config
+        self.config = cfg = MiniMaxM3VLTextConfig(
+            bos_token_id=None, **{k: v for k, v in base.text_config.items() if k not in ("dtype", "bos_token_id")})
+        cfg.swiglu_beta = base.text_config.get("swiglu_beta", 1.0)  # transformers hardcodes +1; vLLM reads it
+        sparse_cfg = base.text_config.get("sparse_attention_config") or {}
+        self.sparse_layers = [i for i, f in enumerate(sparse_cfg.get("sparse_attention_freq", [])) if f]
+        moe_freq = base.text_config.get("moe_layer_freq") or [1] * cfg.num_hidden_layers
+        self.moe_layers = [i for i, f in enumerate(moe_freq) if f]
+        sparse = {"topk": sparse_cfg.get("sparse_topk_blocks"), "init": sparse_cfg.get("sparse_init_block", 0),
+                  "local": sparse_cfg.get("sparse_local_block", 0)}
+        # transformers' layout (model.embed_tokens / model.layers / model.norm, lm_head): peft names follow it
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Parameter(base.tensor("model.embed_tokens.weight").to(self.dtype),
+                                               requires_grad=False)
+        self.model.layers = nn.ModuleList(
+            DecoderLayer(cfg, base, i, sparse if i in self.sparse_layers else None, i in self.moe_layers, mcfg)
+            for i in range(cfg.num_hidden_layers))
+        self.model.norm = base.norm("model.norm", cfg.rms_norm_eps)
+        self.lm_head = nn.Parameter(base.tensor("lm_head.weight").to(self.dtype), requires_grad=False)
+        self.rotary = Rotary(cfg, self.dtype)
+        self.num_experts = cfg.num_local_experts
+        for name, p in self.named_parameters():
+            p.requires_grad_(".lora" in name or "lora_" in name)
+        assert all("lora" in n for n, p in self.named_parameters() if p.requires_grad), "only LoRA trains"
+
+    def hidden_states(self, input_ids, cu_seqlens, routing=None, blocks=None, stats: ForwardStats | None = None):
+        """Final hidden states [T, H]. routing: engine expert ids [T, num_layers, top_k] (None: own top-k);
+        blocks: engine MSA block ids [T, num_sparse_layers, kv_heads, topk] (None: own selection)."""
+        positions = msa.token_positions(cu_seqlens, input_ids.device)
+        if routing is not None:
+            from rollout.capture import DENSE_LAYER
+
+            validate_replay(torch.as_tensor(routing), len(input_ids), len(self.model.layers),
+                            self.config.num_experts_per_tok,
+                            self.num_experts, self.moe_layers, DENSE_LAYER(self.num_experts))
+            routing = torch.as_tensor(routing).long()
+        rope = (self.rotary.cos_sin(positions), self.rotary.rotary_dim)
+        x, residual = self.model.embed_tokens[input_ids], None
+        for i, layer in enumerate(self.model.layers):
+            replay_ids = routing[:, i] if routing is not None and i in self.moe_layers else None
+            replay_blocks = None
+            if blocks is not None and i in self.sparse_layers:
+                replay_blocks = torch.as_tensor(blocks)[:, self.sparse_layers.index(i)].to(torch.int32)
+            x, residual, (own_b, agree_b, own_ids, used_ids) = layer(
+                x, residual, rope, cu_seqlens, positions, replay_ids, replay_blocks)
+            if stats is not None and agree_b is not None:
+                stats.block_agreement[i] = agree_b
+            if stats is not None and own_ids is not None:
+                stats.routing_agreement[i] = routing_agreement(own_ids, used_ids)
+        x, _ = fused_add_norm(self.model.norm, x, residual)
+        return x
+
+    def token_logprobs(self, input_ids, cu_seqlens, targets, **kw) -> torch.Tensor:
+        """log p(targets[t] | tokens <= t) for every packed position t, fp32 [T] (chunked over the vocab GEMM)."""
+        h = self.hidden_states(input_ids, cu_seqlens, **kw)
+        out = []
+        for c in range(0, h.shape[0], 1024):
+            logits = (h[c:c + 1024] @ self.lm_head.t()).float()
+            out.append(logits.log_softmax(-1).gather(1, targets[c:c + 1024, None])[:, 0])
+        return torch.cat(out)

@@ -1,0 +1,141 @@
+"""The trainer model against the real engine serving the same checkpoint with the same adapter.
+
+fp32 tolerance: 1e-3 max |delta logprob| on a 32-token and a 700-token prompt (MSA keeps a strict subset there).
+Routing/block agreement is reported; with replay of the engine's choices it is 100%.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from rl.lora import LoRAConfig, adapter_state_dict, lora_parameters, peft_config, save_adapter
+from rl.model import ForwardStats, M3ForTraining, TrainerModelConfig
+from tests.rollout.engine_fixtures import LONG, SHORT, make_engine, prompt_ids
+
+
+def randomize_lora(model, seed=0, std=0.02):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in lora_parameters(model):
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+def trainer_logprobs(model, rollout, **replay):
+    ids = rollout.prompt_ids + rollout.token_ids
+    fed = torch.tensor(ids[:-1])
+    cu = torch.tensor([0, len(fed)])
+    s = ForwardStats()
+    with torch.no_grad():
+        lp = model.token_logprobs(fed, cu, torch.tensor(ids[1:]), stats=s, **replay)
+    return lp, s
+
+
+@pytest.fixture(scope="module")
+def setup():
+    engine, reference, paths = make_engine("float32")
+    model = M3ForTraining(TrainerModelConfig(path=str(paths.vllm), dtype="float32", base="bf16"))
+    randomize_lora(model)
+    info = engine.load_adapter(adapter_state_dict(model), peft_config(model.mcfg.lora))
+    yield engine, model, paths, info
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def rollouts(setup):
+    engine = setup[0]
+    return {n: engine.generate([prompt_ids(n, seed=40 + n)], temperature=1.0, seed=3, max_tokens=8,
+                               ignore_eos=True, prompt_logprobs=True)[0][0] for n in (SHORT, LONG)}
+
+
+@pytest.mark.parametrize("n", [SHORT, LONG])
+def test_trainer_logprobs_equal_engine_with_the_same_adapter(setup, rollouts, n):
+    engine, model = setup[:2]
+    r = rollouts[n]
+    lp, stats = trainer_logprobs(model, r)
+    engine_lp = torch.from_numpy(np.concatenate([r.prompt_logprobs, r.logprobs]))
+    delta = (lp - engine_lp).abs()
+    print(f"n={n}: max |delta| {delta.max():.2e}, routing agreement {stats.routing_agreement}, "
+          f"block agreement {stats.block_agreement}")
+    assert delta.max() <= 1e-3
+    assert set(stats.routing_agreement) == {1, 2, 3} and set(stats.block_agreement) == {1, 2, 3}
+
+
+@pytest.mark.parametrize("n", [SHORT, LONG])
+def test_replay_of_engine_choices_gives_full_agreement(setup, rollouts, n):
+    model = setup[1]
+    r = rollouts[n]
+    lp, stats = trainer_logprobs(model, r, routing=r.routed_experts, blocks=r.block_ids)
+    engine_lp = torch.from_numpy(np.concatenate([r.prompt_logprobs, r.logprobs]))
+    assert (lp - engine_lp).abs().max() <= 1e-3
+    assert all(v == 1.0 for v in stats.routing_agreement.values())
+    assert all(v == 1.0 for v in stats.block_agreement.values())
+
+
+def test_saved_adapter_is_peft_format_vllm_and_peft_load(setup, rollouts, tmp_path):
+    engine, model, paths, info = setup
+    from peft import PeftModel
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    from tests.rollout.hf_reference import load_reference, teacher_forced
+
+    out = save_adapter(model, model.mcfg.lora, tmp_path / "adapter", dtype=torch.float32)
+    r = rollouts[SHORT]
+    ids = r.prompt_ids
+    res = engine.llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                              lora_request=LoRARequest("saved", 5, str(out)), use_tqdm=False)[0]
+    file_lp = torch.tensor([d[t].logprob for t, d in zip(ids[1:], res.prompt_logprobs[1:])])
+    assert (file_lp - torch.from_numpy(r.prompt_logprobs)).abs().max() <= 1e-5  # vLLM: file == memory
+    peft_model = PeftModel.from_pretrained(load_reference(paths.hf), str(out))
+    ref = teacher_forced(peft_model, ids).token_logprobs(ids)
+    assert (ref - file_lp).abs().max() <= 1e-3  # peft reads the same adapter the same way
+
+
+def test_only_lora_parameters_get_gradients(setup, rollouts):
+    model = setup[1]
+    r = rollouts[SHORT]
+    ids = torch.tensor(r.prompt_ids + r.token_ids)
+    model.zero_grad(set_to_none=True)
+    lp = model.token_logprobs(ids[:-1], torch.tensor([0, len(ids) - 1]), ids[1:],
+                              routing=r.routed_experts, blocks=r.block_ids)
+    lp.sum().backward()
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora" in n for n in trainable)
+    # The indexer only selects blocks (a discrete top-k): its LoRA gets no gradient from a token loss.
+    flows = {n: p.grad is not None and bool(p.grad.abs().sum() > 0) for n, p in model.named_parameters()
+             if p.requires_grad}
+    assert all(v for n, v in flows.items() if ".indexer." not in n)
+    assert not any(v for n, v in flows.items() if ".indexer." in n)
+    assert all(p.grad is None for n, p in model.named_parameters() if not p.requires_grad)
+    model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("kind,message", [
+    ("routing shape", "routing replay has shape"),
+    ("routing range", "outside \\[0, 8\\)"),
+    ("blocks beyond visible", "beyond|visible"),
+])
+def test_bad_replay_is_one_clear_error(setup, rollouts, kind, message):
+    model = setup[1]
+    r = rollouts[SHORT]
+    routing, blocks = r.routed_experts.copy(), r.block_ids.copy()
+    if kind == "routing shape":
+        routing = routing[:-1]
+    elif kind == "routing range":
+        routing[3, 2, 0] = 9
+    else:
+        blocks[5, 0, 0, 0] = 7
+    with pytest.raises(ValueError, match=message):
+        trainer_logprobs(model, r, routing=routing, blocks=blocks)
+
+
+def test_adapter_that_does_not_fit_is_one_clear_error(setup):
+    from rl.lora import load_adapter_tensors
+
+    model = setup[1]
+    tensors = adapter_state_dict(model)
+    key = next(k for k in tensors if "q_proj.lora_B" in k)
+    tensors[key] = tensors[key][:-1]
+    tensors["base_model.model.model.layers.9.self_attn.q_proj.lora_A.weight"] = torch.zeros(32, 256)
+    with pytest.raises(ValueError, match="(?s)unexpected tensor .*layers.9.*shape"):
+        load_adapter_tensors(model, tensors)
