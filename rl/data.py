@@ -1,0 +1,442 @@
+"""Prompt data in verl's parquet schema, validated before anything expensive happens.
+
+A row (verl ``examples/data_preprocess``, DAPO-Math-17K)::
+
+    {"data_source": "math_dapo",
+     "prompt": [{"role": "user", "content": "..."}],
+     "ability": "MATH",
+     "reward_model": {"style": "rule-lighteval/MATH_v2", "ground_truth": "34"},
+     "extra_info": {"index": 0, ...}}
+
+- ``load_verl_parquet`` reads any file in that schema; rows with missing or malformed fields are counted
+  and skipped, or rejected with their row ids (``on_bad_row="skip"|"error"``).
+- ``load_dapo_math_17k`` / ``load_aime_2024`` read those data sets from a path (nothing is fetched). AIME-2024
+  comes in three layouts: verl schema (``BytedTsinghua-SIA/AIME-2024``, 30 problems x 32 copies = 960 rows),
+  ``ID/Problem/Solution/Answer`` (``Maxwell-Jia/AIME_2024``, lm-eval's ``aime24``) and lower-case
+  ``id/problem/solution/answer`` (``HuggingFaceH4/aime_2024``); the flat ones get DAPO's prompt.
+- ``make_addition_splits``: the built-in task, split by a hash of the question.
+- ``prompt_token_ids``: a chat prompt to token ids through the tokenizer's chat template.
+- ``DataCursor``: a resumable (epoch, position) cursor, reshuffled per epoch from the seed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Literal
+
+from rl.rewards import BUILTIN_ADDITION_SOURCE, route
+
+OnBadRow = Literal["skip", "error"]
+SCHEMA_FIELDS = ("data_source", "prompt", "ability", "reward_model", "extra_info")
+ROLES = ("system", "user", "assistant")
+DAPO_SOURCE = "math_dapo"
+AIME_SOURCE = "aime-2024"  # verl routes every aime* source to math_dapo
+# DAPO-Math-17K's user message; flat AIME rows get it too, so eval prompts match training prompts.
+DAPO_PROMPT = ("Solve the following math problem step by step. The last line of your response should be of the form "
+               "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
+               "Remember to put your answer on its own line after \"Answer:\".")
+ADDITION_QUESTION = "What is {a} + {b}? Put the final answer in \\boxed{{}}."
+_INT = re.compile(r"[+-]?[0-9]+")
+_MAX_IDS_IN_ERROR = 10
+
+
+class SchemaError(ValueError):
+    """The file as a whole has the wrong columns: no row could be valid."""
+
+
+class BadRowError(ValueError):
+    """Raised with ``on_bad_row="error"``; ``bad`` holds every bad row found."""
+
+    def __init__(self, path, bad: list[BadRow]):
+        self.bad = bad
+        shown = "; ".join(f"{b.row_id}: {', '.join(b.reasons)}" for b in bad[:_MAX_IDS_IN_ERROR])
+        more = f" (and {len(bad) - _MAX_IDS_IN_ERROR} more)" if len(bad) > _MAX_IDS_IN_ERROR else ""
+        super().__init__(f"{path}: {len(bad)} bad row(s): {shown}{more}")
+
+
+@dataclass
+class BadRow:
+    position: int  # 0-based row number in the file
+    row_id: str  # "index=<extra_info.index>" when the row has one, else "row <position>"
+    reasons: list[str]
+
+
+@dataclass
+class LoadReport:
+    path: str
+    layout: str
+    n_read: int = 0
+    n_kept: int = 0
+    n_duplicates: int = 0  # dropped by dedup
+    n_gt_normalized: int = 0  # integer ground truths rewritten, e.g. "035" -> "35"
+    bad: list[BadRow] = field(default_factory=list)
+
+    @property
+    def n_bad(self) -> int:
+        return len(self.bad)
+
+    def summary(self) -> str:
+        return (f"{self.path} [{self.layout}]: read {self.n_read}, kept {self.n_kept}, bad {self.n_bad}, "
+                f"duplicates dropped {self.n_duplicates}, ground truths normalized {self.n_gt_normalized}")
+
+
+# ----------------------------------------------------------------------------------------------
+# validation
+
+def row_id(row: Mapping, position: int) -> str:
+    extra = row.get("extra_info")
+    if isinstance(extra, Mapping) and extra.get("index") is not None:
+        return f"index={extra['index']}"
+    return f"row {position}"
+
+
+def _nonempty_str(x) -> bool:
+    return isinstance(x, str) and bool(x.strip())
+
+
+def validate_row(row: Mapping) -> list[str]:
+    """Every problem with ``row``; an empty list means the row is usable."""
+    problems: list[str] = []
+    source = row.get("data_source")
+    if not _nonempty_str(source):
+        problems.append("data_source missing or empty")
+    prompt = row.get("prompt")
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        problems.append("prompt is not a non-empty list of {role, content} messages")
+    else:
+        for i, msg in enumerate(prompt):
+            if not isinstance(msg, Mapping):
+                problems.append(f"prompt[{i}] is not a {{role, content}} mapping")
+                continue
+            if msg.get("role") not in ROLES:
+                problems.append(f"prompt[{i}].role {msg.get('role')!r} not in {ROLES}")
+            if not _nonempty_str(msg.get("content")):
+                problems.append(f"prompt[{i}].content missing or empty")
+        last = prompt[-1]
+        if isinstance(last, Mapping) and last.get("role") in ROLES and last.get("role") != "user":
+            # add_generation_prompt opens the assistant turn right after the last message.
+            problems.append(f"prompt ends with a {last.get('role')!r} message, not 'user'")
+    if not _nonempty_str(row.get("ability")):
+        problems.append("ability missing or empty")
+    reward_model = row.get("reward_model")
+    gt = None
+    if not isinstance(reward_model, Mapping):
+        problems.append("reward_model missing")
+    else:
+        gt = reward_model.get("ground_truth")
+        if not _nonempty_str(gt):
+            problems.append("reward_model.ground_truth missing or empty")
+            gt = None
+        if not isinstance(reward_model.get("style"), str):
+            problems.append("reward_model.style missing")
+    extra = row.get("extra_info")
+    if not isinstance(extra, Mapping) or extra.get("index") is None:
+        problems.append("extra_info.index missing")
+    if gt is not None and _nonempty_str(source) and route(source) == "strict_int" and not _INT.fullmatch(gt.strip()):
+        problems.append(f"reward_model.ground_truth {gt!r} is not an integer (reward strict_int)")
+    return problems
+
+
+def canonical_int(answer: str) -> str:
+    """``"035"`` -> ``"35"``; anything that is not a plain integer is returned unchanged. math_dapo compares
+    strings, so a zero-padded AIME key would mark every unpadded correct answer wrong."""
+    s = answer.strip()
+    return str(int(s)) if _INT.fullmatch(s) else answer
+
+
+def _dedup_key(row: Mapping) -> str:
+    payload = [row["data_source"], [[m["role"], m["content"]] for m in row["prompt"]],
+               row["reward_model"]["ground_truth"]]
+    return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode()).hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------
+# loading
+
+def _columns(path) -> list[str]:
+    import pyarrow.parquet as pq
+
+    return list(pq.ParquetFile(path).schema_arrow.names)
+
+
+def _iter_rows(path) -> Iterator[dict]:
+    import pyarrow.parquet as pq
+
+    # Batches keep the 1.79 M-row DAPO file from becoming one 1.79 M-dict list before dedup.
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=8192):
+        yield from batch.to_pylist()
+
+
+def _collect(path, layout: str, rows: Iterator[tuple[int, dict, list[str]]], *, on_bad_row: OnBadRow,
+             dedup: bool, normalize_int_answers: bool, expect_reward: str | None) -> tuple[list[dict], LoadReport]:
+    if on_bad_row not in ("skip", "error"):
+        raise ValueError(f"on_bad_row must be 'skip' or 'error', got {on_bad_row!r}")
+    report, kept, seen = LoadReport(str(path), layout), [], set()
+    for position, row, problems in rows:
+        report.n_read += 1
+        problems = problems or validate_row(row)
+        if not problems and expect_reward and route(row["data_source"]) != expect_reward:
+            problems = [f"data_source {row['data_source']!r} routes to reward {route(row['data_source'])!r}, "
+                        f"expected {expect_reward!r}"]
+        if problems:
+            report.bad.append(BadRow(position, row_id(row, position), problems))
+            continue
+        if normalize_int_answers:
+            gt = row["reward_model"]["ground_truth"]
+            if canonical_int(gt) != gt:
+                row = {**row, "reward_model": {**row["reward_model"], "ground_truth": canonical_int(gt)}}
+                report.n_gt_normalized += 1
+        if dedup:
+            key = _dedup_key(row)
+            if key in seen:
+                report.n_duplicates += 1
+                continue
+            seen.add(key)
+        kept.append(row)
+    report.n_kept = len(kept)
+    if report.bad and on_bad_row == "error":
+        raise BadRowError(path, report.bad)
+    return kept, report
+
+
+def load_verl_parquet(path, *, on_bad_row: OnBadRow = "skip", dedup: bool = False,
+                      normalize_int_answers: bool = False,
+                      expect_reward: str | None = None) -> tuple[list[dict], LoadReport]:
+    """Rows of a verl-schema parquet file plus a report of what was dropped and why.
+
+    ``expect_reward``: rows whose data_source routes to another reward are bad rows (e.g. a GSM8K file
+    passed where DAPO was meant would otherwise be scored by a different function without notice)."""
+    missing = [c for c in SCHEMA_FIELDS if c not in _columns(path)]
+    if missing:
+        raise SchemaError(f"{path}: columns {missing} missing (has {_columns(path)}); expected verl's schema")
+    rows = ((i, row, []) for i, row in enumerate(_iter_rows(path)))
+    return _collect(path, "verl", rows, on_bad_row=on_bad_row, dedup=dedup,
+                    normalize_int_answers=normalize_int_answers, expect_reward=expect_reward)
+
+
+def load_dapo_math_17k(path, *, on_bad_row: OnBadRow = "skip", dedup: bool = True) -> tuple[list[dict], LoadReport]:
+    """DAPO-Math-17K (verl schema, data_source ``math_dapo``). The Hub file repeats each of ~17.4 k problems
+    ~100x (1.79 M rows); ``dedup`` keeps the first copy, so an epoch of the cursor sees each problem once
+    and a GRPO batch never holds two groups of the same prompt."""
+    return load_verl_parquet(path, on_bad_row=on_bad_row, dedup=dedup, normalize_int_answers=True,
+                             expect_reward="math_dapo")
+
+
+AIME_FLAT_LAYOUTS = {
+    "aime_pascal": {"problem": "Problem", "answer": "Answer", "id": "ID"},  # Maxwell-Jia/AIME_2024
+    "aime_lower": {"problem": "problem", "answer": "answer", "id": "id"},  # HuggingFaceH4/aime_2024
+}
+
+
+def detect_aime_layout(columns) -> str:
+    cols = set(columns)
+    if set(SCHEMA_FIELDS) <= cols:
+        return "verl"
+    for name, spec in AIME_FLAT_LAYOUTS.items():
+        if {spec["problem"], spec["answer"]} <= cols:
+            return name
+    raise SchemaError(f"unknown AIME layout, columns {sorted(cols)}: expected verl's schema, "
+                      f"ID/Problem/Answer or id/problem/answer")
+
+
+def _answer_text(value) -> str | None:
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, float):  # pandas-written int columns with a null become float
+        return str(int(value)) if value.is_integer() else None
+    return str(value).strip() or None
+
+
+def _aime_flat_rows(path, spec: dict, data_source: str) -> Iterator[tuple[int, dict, list[str]]]:
+    for i, flat in enumerate(_iter_rows(path)):
+        problem, answer = flat.get(spec["problem"]), _answer_text(flat.get(spec["answer"]))
+        problems = []
+        if not _nonempty_str(problem):
+            problems.append(f"{spec['problem']} missing or empty")
+        if answer is None:
+            problems.append(f"{spec['answer']} missing or not a number/string")
+        row = {
+            "data_source": data_source,
+            "prompt": [{"role": "user", "content": DAPO_PROMPT.format(problem=(problem or "").strip())}],
+            "ability": "MATH",
+            "reward_model": {"style": "rule-lighteval/MATH_v2", "ground_truth": answer or ""},
+            "extra_info": {"index": i, "split": "test", "id": str(flat.get(spec["id"], ""))},
+        }
+        yield i, row, problems
+
+
+def load_aime_2024(path, *, on_bad_row: OnBadRow = "skip", dedup: bool = False,
+                   data_source: str = AIME_SOURCE) -> tuple[list[dict], LoadReport]:
+    """AIME-2024 in any of the three layouts, as verl-schema rows scored by math_dapo.
+
+    ``dedup`` is off by default: the verl-schema file's 32 copies per problem are how DAPO measures avg@32
+    with one sample per row. Flat layouts get ``data_source`` (default ``aime-2024``); verl-schema rows
+    keep theirs, which must route to math_dapo."""
+    layout = detect_aime_layout(_columns(path))
+    if layout == "verl":
+        rows = ((i, row, []) for i, row in enumerate(_iter_rows(path)))
+    else:
+        rows = _aime_flat_rows(path, AIME_FLAT_LAYOUTS[layout], data_source)
+    return _collect(path, layout, rows, on_bad_row=on_bad_row, dedup=dedup, normalize_int_answers=True,
+                    expect_reward="math_dapo")
+
+
+def write_rows(rows: list[dict], path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+# ----------------------------------------------------------------------------------------------
+# built-in task: 2-digit addition
+
+def question_hash(question: str) -> int:
+    return int.from_bytes(hashlib.sha256(question.encode()).digest()[:8], "little")
+
+
+def split_of(question: str, eval_mod: int = 10) -> str:
+    """``"eval"`` for about 1 in ``eval_mod`` questions. A function of the text alone, so the split does
+    not move with sampling order, seeds or sizes, and a question can never be in both."""
+    return "eval" if question_hash(question) % eval_mod == 0 else "train"
+
+
+def addition_row(a: int, b: int, split: str, index: int) -> dict:
+    question = ADDITION_QUESTION.format(a=a, b=b)
+    return {
+        "data_source": BUILTIN_ADDITION_SOURCE,
+        "prompt": [{"role": "user", "content": question}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+        # target: the reference answer, for an SFT warm-up before GRPO
+        "extra_info": {"index": index, "split": split, "a": a, "b": b, "target": f"\\boxed{{{a + b}}}"},
+    }
+
+
+def make_addition_splits(n_train: int | None = None, n_eval: int | None = 500, seed: int = 0,
+                         eval_mod: int = 10) -> tuple[list[dict], list[dict]]:
+    """All 8,100 pairs a, b in 10..99, hash-split (797 eval / 7,303 train at eval_mod 10). Eval = the first ``n_eval``
+    eval questions in hash order, whatever the seed, so runs with different seeds share one eval set;
+    train = the train pool shuffled by ``seed``, first ``n_train``. ``index`` = 100a + b, stable everywhere."""
+    pools: dict[str, list[tuple[int, int, str]]] = {"train": [], "eval": []}
+    for a in range(10, 100):
+        for b in range(10, 100):
+            q = ADDITION_QUESTION.format(a=a, b=b)
+            pools[split_of(q, eval_mod)].append((a, b, q))
+    eval_pool = sorted(pools["eval"], key=lambda t: question_hash(t[2]))
+    train_pool = list(pools["train"])
+    random.Random(seed).shuffle(train_pool)
+    for name, pool, n in (("train", train_pool, n_train), ("eval", eval_pool, n_eval)):
+        if n is not None and not 0 <= n <= len(pool):
+            raise ValueError(f"n_{name}={n}: the {name} split has {len(pool)} questions")
+    train = [addition_row(a, b, "train", 100 * a + b) for a, b, _ in train_pool[:n_train]]
+    evals = [addition_row(a, b, "eval", 100 * a + b) for a, b, _ in eval_pool[:n_eval]]
+    return train, evals
+
+
+# ----------------------------------------------------------------------------------------------
+# tokenization
+
+class PromptTooLong(ValueError):
+    pass
+
+
+def prompt_token_ids(tokenizer, messages, max_length: int | None = None, **template_kwargs) -> list[int]:
+    """Token ids of a chat prompt with the assistant turn opened (``add_generation_prompt=True``), exactly
+    as vLLM's chat path renders it, so the rollout and the trainer see the same prompt tokens."""
+    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **template_kwargs)
+    if isinstance(out, Mapping) or hasattr(out, "input_ids"):  # transformers 5 returns a BatchEncoding
+        out = out["input_ids"]
+    ids = [int(t) for t in out]
+    if max_length is not None and len(ids) > max_length:
+        raise PromptTooLong(f"prompt has {len(ids)} tokens > max_length {max_length}")
+    return ids
+
+
+def encode_prompts(rows: list[dict], tokenizer, max_length: int | None = None,
+                   on_overlong: OnBadRow = "skip") -> tuple[list[dict], list[list[int]], list[str]]:
+    """(kept rows, their token ids, ids of rows dropped as too long). Rows must already be validated."""
+    kept, ids, dropped = [], [], []
+    for position, row in enumerate(rows):
+        try:
+            tokens = prompt_token_ids(tokenizer, row["prompt"], max_length)
+        except PromptTooLong as e:
+            if on_overlong == "error":
+                raise PromptTooLong(f"{row_id(row, position)}: {e}") from None
+            dropped.append(row_id(row, position))
+            continue
+        kept.append(row)
+        ids.append(tokens)
+    return kept, ids, dropped
+
+
+# ----------------------------------------------------------------------------------------------
+# resumable cursor
+
+class DataCursor:
+    """Yields row indices epoch after epoch. Each epoch is a permutation derived from (seed, epoch) alone,
+    so saving (epoch, position) is enough to resume mid-epoch on another machine or process."""
+
+    VERSION = 1
+
+    def __init__(self, n: int, seed: int = 0, shuffle: bool = True):
+        if n <= 0:
+            raise ValueError(f"DataCursor needs n > 0, got {n}")
+        self.n, self.seed, self.shuffle = n, seed, shuffle
+        self.epoch, self.position = 0, 0
+        self._order: list[int] | None = None
+        self._order_epoch = -1
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(self.n))
+        if self.shuffle:
+            # random.Random(int).shuffle is stable across Python versions; numpy Generator streams are not
+            # promised to be.
+            seed = int.from_bytes(hashlib.sha256(f"{self.seed}:{epoch}".encode()).digest()[:8], "little")
+            random.Random(seed).shuffle(order)
+        return order
+
+    def _current(self) -> list[int]:
+        if self._order_epoch != self.epoch:
+            self._order, self._order_epoch = self.epoch_order(self.epoch), self.epoch
+        return self._order
+
+    def next_batch(self, k: int) -> list[int]:
+        """The next ``k`` indices; a batch may run into the next epoch, so no row is ever skipped."""
+        out: list[int] = []
+        while len(out) < k:
+            take = min(k - len(out), self.n - self.position)
+            out.extend(self._current()[self.position:self.position + take])
+            self.position += take
+            if self.position == self.n:
+                self.epoch, self.position = self.epoch + 1, 0
+        return out
+
+    def state_dict(self) -> dict:
+        return {"version": self.VERSION, "n": self.n, "seed": self.seed, "shuffle": self.shuffle,
+                "epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        for key in ("version", "n", "seed", "shuffle"):
+            mine = self.VERSION if key == "version" else getattr(self, key)
+            if state.get(key) != mine:
+                raise ValueError(f"cursor state {key}={state.get(key)!r} does not match this cursor's {mine!r}: "
+                                 f"resuming would replay a different order")
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position < self.n:
+            raise ValueError(f"cursor state epoch={epoch}, position={position} out of range for n={self.n}")
+        self.epoch, self.position = epoch, position
+
+    @classmethod
+    def from_state(cls, state: Mapping) -> DataCursor:
+        cursor = cls(int(state["n"]), int(state["seed"]), bool(state["shuffle"]))
+        cursor.load_state_dict(state)
+        return cursor
