@@ -53,8 +53,12 @@ class TrainerModelConfig:
 
 @dataclass
 class ForwardStats:
-    routing_agreement: dict[int, float] = field(default_factory=dict)  # MoE layer -> own == used
-    block_agreement: dict[int, float] = field(default_factory=dict)  # sparse layer -> own == used
+    """Per layer: how often the trainer's own choice equals the one used (the engine's, under replay), and how
+    often the choice used equals the replayed one (1.0 when replay works)."""
+    routing_agreement: dict[int, float] = field(default_factory=dict)  # MoE layer -> own top-k == used
+    block_agreement: dict[int, float] = field(default_factory=dict)  # sparse layer -> own blocks == used
+    routing_replayed: dict[int, float] = field(default_factory=dict)  # MoE layer -> used == engine's
+    blocks_replayed: dict[int, float] = field(default_factory=dict)  # sparse layer -> used == engine's
 
 
 def _norm(norm: MiniMaxM3VLRMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -121,7 +125,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
         if self.kv_nvfp4:
             k, v = nvfp4_kv_qdq(k), nvfp4_kv_qdq(v)
-        own = agreement = None
+        own = agreement = replayed = None
         if self.indexer is not None:
             ix = self.indexer
             iq = norm_rope(ix.q_norm, ix.q_proj(x).view(t, ix.heads, ix.dim), cos_sin, rotary_dim)
@@ -137,11 +141,13 @@ class Attention(nn.Module):
                 msa.validate_block_ids(replay_blocks, cu_seqlens, num_heads=self.kv_heads)
                 blocks = replay_blocks.to(own.device)
             agreement = msa.selection_agreement(own, blocks)
+            if replay_blocks is not None:
+                replayed = msa.selection_agreement(blocks, replay_blocks)
         else:
             blocks = all_visible_blocks(positions, self.kv_heads)
         out = msa.sparse_attention(q, k, v, blocks, cu_seqlens, self.head_dim ** -0.5, impl=self.impl,
                                    validate=False)
-        return self.o_proj(out.reshape(t, self.heads * self.head_dim)), own, agreement
+        return self.o_proj(out.reshape(t, self.heads * self.head_dim)), own, (agreement, replayed)
 
 
 def all_visible_blocks(positions: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -215,14 +221,14 @@ class DecoderLayer(nn.Module):
             residual, x = x, _norm(self.input_layernorm, x)
         else:
             x, residual = fused_add_norm(self.input_layernorm, x, residual)
-        x, own_blocks, block_agree = self.self_attn(x, *rope, cu_seqlens, positions, replay_blocks)
+        x, own_blocks, (block_agree, block_replayed) = self.self_attn(x, *rope, cu_seqlens, positions, replay_blocks)
         x, residual = fused_add_norm(self.post_attention_layernorm, x, residual)
         own_ids = used_ids = None
         if self.is_moe:
             x, own_ids, used_ids = self.mlp(x, replay_ids)
         else:
             x = self.mlp(x)
-        return x, residual, (own_blocks, block_agree, own_ids, used_ids)
+        return x, residual, (own_blocks, (block_agree, block_replayed), own_ids, used_ids)
 
 
 class M3ForTraining(nn.Module):
@@ -275,12 +281,16 @@ class M3ForTraining(nn.Module):
             replay_blocks = None
             if blocks is not None and i in self.sparse_layers:
                 replay_blocks = torch.as_tensor(blocks)[:, self.sparse_layers.index(i)].to(torch.int32)
-            x, residual, (own_b, agree_b, own_ids, used_ids) = layer(
+            x, residual, (own_b, (agree_b, replayed_b), own_ids, used_ids) = layer(
                 x, residual, rope, cu_seqlens, positions, replay_ids, replay_blocks)
             if stats is not None and agree_b is not None:
                 stats.block_agreement[i] = agree_b
+                if replayed_b is not None:
+                    stats.blocks_replayed[i] = replayed_b
             if stats is not None and own_ids is not None:
                 stats.routing_agreement[i] = routing_agreement(own_ids, used_ids)
+                if replay_ids is not None:
+                    stats.routing_replayed[i] = routing_agreement(used_ids, replay_ids)
         x, _ = fused_add_norm(self.model.norm, x, residual)
         return x
 

@@ -397,3 +397,54 @@ def ensure_tiny_model(cache_dir=None, seed: int = 0, dtype: str = "bfloat16",
     with open(cache / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
         return paths if _is_complete(paths) else make_tiny_model(out, seed, dtype, **config_overrides)
+
+
+def from_hf_state_dict(hf: dict[str, torch.Tensor], t: dict) -> dict[str, torch.Tensor]:
+    """The inverse of ``to_hf_state_dict``: transformers' names (fused gate_up, 3D experts) -> vLLM/MiniMax names.
+    Used to serve a model trained with transformers (the embedded default's supervised warm-up)."""
+    sd = {}
+    moe = {i for i, f in enumerate(t["moe_layer_freq"]) if f}
+    for name, w in hf.items():
+        if ".mlp.experts." in name:
+            continue
+        layer = int(name.split(".")[2]) if name.startswith("model.layers.") else -1
+        for old, new in _HF_RENAMES:
+            if old == ".block_sparse_moe." and layer not in moe:
+                continue  # dense layers keep `mlp` in both layouts
+            name = name.replace(new, old)
+        if name.endswith(".gate_up_proj.weight"):
+            gate, up = w.chunk(2, dim=0)
+            sd[name.replace(".gate_up_proj.", ".gate_proj.")] = gate.contiguous()
+            sd[name.replace(".gate_up_proj.", ".up_proj.")] = up.contiguous()
+            continue
+        sd[name] = w
+    for i, is_moe in enumerate(t["moe_layer_freq"]):
+        if not is_moe:
+            continue
+        gate_up, down = hf[f"model.layers.{i}.mlp.experts.gate_up_proj"], hf[f"model.layers.{i}.mlp.experts.down_proj"]
+        for e in range(t["num_local_experts"]):
+            w1, w3 = gate_up[e].chunk(2, dim=0)
+            dst = f"model.layers.{i}.block_sparse_moe.experts.{e}"
+            sd[f"{dst}.w1.weight"], sd[f"{dst}.w3.weight"] = w1.contiguous(), w3.contiguous()
+            sd[f"{dst}.w2.weight"] = down[e].contiguous()
+    return dict(sorted(sd.items()))
+
+
+def write_served_copy(src: TinyModelPaths, out_dir, hf_state: dict[str, torch.Tensor], dtype: str) -> Path:
+    """A vLLM-layout checkpoint with ``src``'s config and tokenizer and the given (trained) transformers weights."""
+    cfg = json.loads((src.vllm / "config.json").read_text())
+    t = cfg["text_config"]
+    sd = from_hf_state_dict(hf_state, t)
+    keep_fp32 = ("block_sparse_moe.gate.weight", "e_score_correction_bias")  # vLLM's router is fp32
+    sd = {k: (v.float() if k.endswith(keep_fp32) else v.to(DTYPES[dtype])).contiguous() for k, v in sd.items()}
+    cfg["dtype"] = cfg["text_config"]["dtype"] = dtype
+    files = {p.name: p.read_bytes() for p in src.vllm.iterdir() if p.is_file()
+             and p.name not in ("config.json", "model.safetensors", MANIFEST)}
+    out = Path(out_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    _write_dir(tmp / "ckpt", {**files, "config.json": _dump_json(cfg)}, sd)
+    if out.exists():
+        shutil.rmtree(out)
+    (tmp / "ckpt").rename(out)
+    tmp.rmdir()
+    return out

@@ -1,0 +1,191 @@
+"""Typed configs for `python -m rl.train` / `python -m rl.check` (Hydra structured configs: unknown or mistyped
+keys fail at composition, before any model or engine starts). Key names follow verl where they overlap:
+algorithm.adv_estimator, algorithm.norm_adv_by_std_in_grpo, algorithm.rollout_correction.{rollout_is,
+rollout_is_threshold, bypass_mode, loss_type}, actor.ppo_epochs, actor.ppo_mini_batch_size, rollout.n,
+data.train_batch_size, model.lora.{rank, alpha, target_modules}, trainer.total_training_steps / save_freq /
+test_freq."""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class LoraCfg:
+    rank: int = 32
+    alpha: float = 64.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                "gate_up_proj", "down_proj"])
+    target_experts: bool = True
+    target_indexer: bool = True
+
+
+@dataclass
+class ModelCfg:
+    path: str = "builtin"  # "builtin": build/reuse the tiny M3, SFT warm-up, quantize (the embedded default)
+    dtype: str = "bfloat16"
+    base: str = "quantized"
+    profile: str = "hopper"
+    kv_cache_dtype: str = "auto"
+    indexer_kv_dtype: str = "bf16"
+    attention_impl: str = "auto"
+    lora: LoraCfg = field(default_factory=LoraCfg)
+
+
+@dataclass
+class WarmupCfg:  # the embedded default only: supervised warm-up of the tiny model before RL
+    max_steps: int = 600
+    batch_size: int = 64
+    lr: float = 2e-3
+    eval_every: int = 25
+    target_sampled_acc: float = 0.25  # stop at the first eval at or above this (GRPO needs a non-zero start)
+    tiny_overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DataCfg:
+    train_files: str = "builtin"  # "builtin": the 2-digit addition task (scripts/make_data.py), or a parquet path
+    val_files: str = "builtin"
+    kind: str = "verl"  # verl | dapo_math_17k | aime_2024
+    train_batch_size: int = 16  # prompts per step
+    val_size: int = 200
+    max_prompt_length: int = 256
+    max_response_length: int = 16
+    on_bad_row: str = "skip"  # skip (counted) | error (with the row id)
+    shuffle: bool = True
+    seed: int = 0
+
+
+@dataclass
+class RolloutCorrectionCfg:
+    rollout_is: str | None = "token"
+    rollout_is_threshold: float = 2.0
+    bypass_mode: bool = True  # the rollout logprobs are the old logprobs: no recompute pass
+    loss_type: str = "reinforce"  # token-level IS: -A * log pi * min(pi/pi_rollout, threshold)
+    rollout_rs: str | None = None
+    rollout_rs_threshold: float | None = None
+    rollout_is_batch_normalize: bool = False
+
+
+@dataclass
+class AlgorithmCfg:
+    adv_estimator: str = "grpo"
+    norm_adv_by_std_in_grpo: bool = True
+    loss_agg_mode: str = "token-mean"
+    rollout_correction: RolloutCorrectionCfg = field(default_factory=RolloutCorrectionCfg)
+
+
+@dataclass
+class OptimCfg:
+    lr: float = 2e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+
+
+@dataclass
+class ActorCfg:
+    ppo_epochs: int = 1
+    ppo_mini_batch_size: int | None = None  # None = data.train_batch_size: one optimizer step per batch
+    routing_replay: bool = True
+    block_replay: bool = False
+    optim: OptimCfg = field(default_factory=OptimCfg)
+
+
+@dataclass
+class RolloutCfg:
+    n: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_num_seqs: int = 128
+    max_model_len: int = 1024
+    kv_cache_memory_bytes: int | None = 64 << 20
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool = True
+    enable_prefix_caching: bool = False
+
+
+@dataclass
+class CheckCfg:  # rl.check thresholds (also run at step 0 of training)
+    max_mean_abs_logprob_diff: float = 5e-2
+    max_kl: float = 1e-3
+    min_routing_agreement_with_replay: float = 1.0
+    batch_prompts: int = 4
+
+
+@dataclass
+class TrainerCfg:
+    total_training_steps: int = 30
+    save_freq: int = 10
+    test_freq: int = 0  # 0: eval only before and after
+    run_dir: str = "runs/${now:%Y%m%d-%H%M%S}"
+    resume: bool = True
+    seed: int = 0
+    max_nan_steps: int = 3  # this many non-finite losses in a row stop the run (with a checkpoint)
+    check_at_start: bool = True
+    eval_k: int = 1
+    cache_dir: str = "cache"
+
+
+@dataclass
+class LoggerCfg:
+    wandb_mode: str = "offline"  # offline | online | disabled
+    project: str = "m3rl"
+    console: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelCfg = field(default_factory=ModelCfg)
+    warmup: WarmupCfg = field(default_factory=WarmupCfg)
+    data: DataCfg = field(default_factory=DataCfg)
+    algorithm: AlgorithmCfg = field(default_factory=AlgorithmCfg)
+    actor: ActorCfg = field(default_factory=ActorCfg)
+    rollout: RolloutCfg = field(default_factory=RolloutCfg)
+    check: CheckCfg = field(default_factory=CheckCfg)
+    trainer: TrainerCfg = field(default_factory=TrainerCfg)
+    logger: LoggerCfg = field(default_factory=LoggerCfg)
+
+
+CHOICES = {
+    "model.dtype": ("bfloat16", "float32"), "model.base": ("quantized", "bf16"), "model.profile": ("hopper", "blackwell"),
+    "model.kv_cache_dtype": ("auto", "nvfp4"), "model.indexer_kv_dtype": ("bf16", "nvfp4"),
+    "model.attention_impl": ("auto", "reference", "flex"), "data.kind": ("verl", "dapo_math_17k", "aime_2024"),
+    "data.on_bad_row": ("skip", "error"), "algorithm.adv_estimator": ("grpo",),
+    "algorithm.rollout_correction.rollout_is": ("token", None), "algorithm.rollout_correction.loss_type":
+        ("reinforce", "ppo_clip"), "logger.wandb_mode": ("offline", "online", "disabled"),
+}
+
+
+def validate(cfg) -> None:
+    """Value checks Hydra's types cannot express; one error naming the key. Runs before anything heavy."""
+    from omegaconf import OmegaConf
+
+    for key, allowed in CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in allowed:
+            raise ValueError(f"{key}={value!r}: expected one of {list(allowed)}")
+    rc = cfg.algorithm.rollout_correction
+    if not rc.bypass_mode:
+        raise ValueError("algorithm.rollout_correction.bypass_mode=false: this trainer has no recompute pass; the "
+                         "rollout logprobs are the old logprobs (bypass mode)")
+    if rc.rollout_is_threshold <= 1.0:
+        raise ValueError(f"algorithm.rollout_correction.rollout_is_threshold={rc.rollout_is_threshold}: must be > 1")
+    mini = cfg.actor.ppo_mini_batch_size
+    if cfg.actor.ppo_epochs != 1 or (mini is not None and mini != cfg.data.train_batch_size):
+        raise ValueError("actor.ppo_epochs must be 1 and actor.ppo_mini_batch_size = data.train_batch_size: one "
+                         "optimizer step per batch, so the rollout policy is the old policy")
+    for key in ("data.train_batch_size", "rollout.n", "trainer.total_training_steps", "data.max_response_length"):
+        if OmegaConf.select(cfg, key) < 1:
+            raise ValueError(f"{key}={OmegaConf.select(cfg, key)}: must be >= 1")
+    if cfg.rollout.n < 2:
+        raise ValueError("rollout.n must be >= 2: GRPO needs groups to compute advantages")
+    if cfg.model.lora.rank not in (1, 8, 16, 32, 64, 128, 256, 320, 512):
+        raise ValueError(f"model.lora.rank={cfg.model.lora.rank}: vLLM serves 1, 8, 16, 32, 64, 128, 256, 320, 512")
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="m3rl_schema", node=Config)

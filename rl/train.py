@@ -1,0 +1,279 @@
+"""`python -m rl.train`: GRPO with token-level TIS (cap 2) on a LoRA adapter over the engine's exact base.
+
+Single controller; each step: generate n responses per prompt with the current adapter (logprobs, routed experts,
+optionally MSA blocks) -> score -> GRPO advantages (verl) -> token-TIS loss with the rollout logprobs as the old
+logprobs (verl's bypass mode) and routing replay -> one optimizer step -> send only the adapter to the engine, in
+memory, checksum compared. With no arguments it runs the embedded default (tiny M3 on the addition task).
+"""
+
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import hydra
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+from rich.progress import Progress
+
+from rl import checkpointing
+from rl.algorithm import grpo_advantages, policy_loss, train_rollout_kl
+from rl.batch import pack_rollouts
+from rl.config import register, validate
+
+register()
+
+
+def _load_rows(cfg):
+    from rl import data
+
+    if cfg.data.train_files == "builtin":
+        train, evals = data.make_addition_splits(seed=cfg.data.seed, n_eval=cfg.data.val_size)
+        return train, evals, {}
+    loaders = {"verl": data.load_verl_parquet, "dapo_math_17k": data.load_dapo_math_17k,
+               "aime_2024": data.load_aime_2024}
+    for key in ("train_files", "val_files"):
+        if not Path(cfg.data[key]).is_file():
+            raise FileNotFoundError(f"data.{key}: no file at {cfg.data[key]}")
+    train, rep_t = loaders[cfg.data.kind](cfg.data.train_files, on_bad_row=cfg.data.on_bad_row)
+    evals, rep_e = data.load_aime_2024(cfg.data.val_files, on_bad_row=cfg.data.on_bad_row) \
+        if cfg.data.kind == "dapo_math_17k" else data.load_verl_parquet(cfg.data.val_files,
+                                                                         on_bad_row=cfg.data.on_bad_row)
+    return train, evals[:cfg.data.val_size], {"bad_rows_train": rep_t.n_bad, "bad_rows_val": rep_e.n_bad}
+
+
+class Session:
+    """Everything one run holds: data, engine, trainer model, optimizer, logger. A context manager."""
+
+    def __init__(self, cfg, for_check: bool = False):
+        validate(cfg)  # before any model or engine starts
+        self.cfg = cfg
+        torch.manual_seed(cfg.trainer.seed)
+        random.seed(cfg.trainer.seed)
+        np.random.seed(cfg.trainer.seed)
+        self.run_dir = Path(cfg.trainer.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.train_rows, self.eval_rows, self.data_stats = _load_rows(cfg)
+        model_path = cfg.model.path
+        self.warmup_stats = {}
+        if model_path == "builtin":
+            from rl.warmup import build_builtin_model
+
+            model_path, self.warmup_stats = build_builtin_model(cfg, self.train_rows, self.eval_rows, log=self.log)
+        elif not (Path(model_path) / "config.json").is_file():
+            raise FileNotFoundError(f"model.path: no checkpoint (config.json) at {model_path}")
+        self.model_path = str(model_path)
+        from transformers import AutoTokenizer
+
+        from rl.data import encode_prompts
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.train_rows, self.train_prompts, dropped = encode_prompts(self.train_rows, self.tokenizer,
+                                                                      cfg.data.max_prompt_length)
+        self.eval_rows, self.eval_prompts, _ = encode_prompts(self.eval_rows, self.tokenizer,
+                                                              cfg.data.max_prompt_length)
+        self.data_stats["dropped_overlong"] = len(dropped)
+        self._build(for_check)
+
+    def _build(self, for_check: bool) -> None:
+        from rl.data import DataCursor
+        from rl.lora import LoRAConfig, lora_parameters
+        from rl.model import M3ForTraining, TrainerModelConfig
+        from rollout.engine import EngineConfig, RolloutEngine
+
+        c = self.cfg
+        self.lora_cfg = LoRAConfig(**OmegaConf.to_container(c.model.lora))
+        self.model = M3ForTraining(TrainerModelConfig(
+            path=self.model_path, dtype=c.model.dtype, base=c.model.base, profile=c.model.profile,
+            kv_cache_dtype=c.model.kv_cache_dtype, indexer_kv_dtype=c.model.indexer_kv_dtype,
+            attention_impl=c.model.attention_impl, lora=self.lora_cfg))
+        self.params = lora_parameters(self.model)
+        o = c.actor.optim
+        self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+        self.cursor = DataCursor(len(self.train_rows), seed=c.data.seed, shuffle=c.data.shuffle)
+        self.engine = RolloutEngine(EngineConfig(
+            model=self.model_path, dtype=c.model.dtype, max_model_len=c.rollout.max_model_len,
+            max_num_seqs=c.rollout.max_num_seqs, kv_cache_memory_bytes=c.rollout.kv_cache_memory_bytes,
+            gpu_memory_utilization=c.rollout.gpu_memory_utilization, max_lora_rank=c.model.lora.rank,
+            kv_cache_dtype=c.model.kv_cache_dtype, indexer_kv_dtype=c.model.indexer_kv_dtype,
+            capture_routing=c.actor.routing_replay, capture_blocks=c.actor.block_replay,
+            enable_prefix_caching=c.rollout.enable_prefix_caching, enforce_eager=c.rollout.enforce_eager,
+            seed=c.trainer.seed))
+        self.eos = [self.tokenizer.convert_tokens_to_ids("<|im_end|>"), self.tokenizer.eos_token_id]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.engine.close()
+
+    def log(self, msg: str) -> None:
+        print(f"[m3rl] {msg}", flush=True)
+
+    # -- pieces -------------------------------------------------------------------------------------------------
+    def adapter(self):
+        from rl.lora import adapter_state_dict, peft_config
+
+        return adapter_state_dict(self.model, dtype=self.model.dtype), peft_config(self.lora_cfg)
+
+    def sync(self) -> dict:
+        tensors, peft_cfg = self.adapter()
+        info = self.engine.load_adapter(tensors, peft_cfg)
+        from rollout.adapter_sync import adapter_checksum
+
+        if info["checksum"] != adapter_checksum(tensors):
+            raise RuntimeError("adapter sync: the engine's checksum differs from the trainer's; stopping")
+        return info
+
+    def check(self) -> dict:
+        from rl.check import run_check
+
+        tensors, peft_cfg = self.adapter()
+        prompts = self.eval_prompts[:self.cfg.check.batch_prompts]
+        return run_check(self.engine, self.model, prompts, self.cfg, tensors, peft_cfg,
+                         self.cfg.data.max_response_length)
+
+    def evaluate(self, k: int = 1) -> dict:
+        from rl.rewards import compute_score
+
+        groups = self.engine.generate(self.eval_prompts, n=k, temperature=0.0 if k == 1 else 1.0,
+                                      max_tokens=self.cfg.data.max_response_length, stop_token_ids=self.eos,
+                                      seed=self.cfg.trainer.seed)
+        accs = [[compute_score(row["data_source"], self._text(r), row["reward_model"]["ground_truth"])["acc"]
+                 for r in g] for row, g in zip(self.eval_rows, groups)]
+        return {"pass@1": float(np.mean([a[0] for a in accs])), f"avg@{k}": float(np.mean(accs))}
+
+    def _text(self, rollout) -> str:
+        return self.tokenizer.decode(rollout.token_ids, skip_special_tokens=True)
+
+    # -- one step -----------------------------------------------------------------------------------------------
+    def step(self, step: int) -> dict:
+        from rl.model import ForwardStats
+        from rl.rewards import compute_score
+
+        c, t0 = self.cfg, time.perf_counter()
+        idx = self.cursor.next_batch(c.data.train_batch_size)
+        groups = self.engine.generate([self.train_prompts[i] for i in idx], n=c.rollout.n,
+                                      temperature=c.rollout.temperature, top_p=c.rollout.top_p,
+                                      max_tokens=c.data.max_response_length, stop_token_ids=self.eos,
+                                      seed=c.trainer.seed * 100003 + step)
+        t_gen = time.perf_counter()
+        rollouts, rewards, accs, group_ids = [], [], [], []
+        for g, (i, group) in enumerate(zip(idx, groups)):
+            row = self.train_rows[i]
+            for r in group:
+                s = compute_score(row["data_source"], self._text(r), row["reward_model"]["ground_truth"])
+                rollouts.append(r)
+                rewards.append(float(s["score"]))
+                accs.append(float(s["acc"]))
+                group_ids.append(g)
+        t_score = time.perf_counter()
+        batch = pack_rollouts(rollouts)
+        stats = ForwardStats()
+        replay = {"routing": batch.routing if c.actor.routing_replay else None,
+                  "blocks": batch.blocks if c.actor.block_replay else None}
+        logprobs = self.model.token_logprobs(batch.input_ids, batch.cu_seqlens, batch.targets, stats=stats, **replay)
+        lp, mask = batch.to_matrix(logprobs)
+        old_lp, _ = batch.to_matrix(batch.rollout_logprobs)
+        adv = grpo_advantages(torch.tensor(rewards), mask, np.array(group_ids), c.algorithm.norm_adv_by_std_in_grpo)
+        loss, loss_metrics = policy_loss(lp, old_lp, adv, mask, c.algorithm)
+        kl = train_rollout_kl(lp.detach(), old_lp, mask)
+        metrics = {"reward/mean": float(np.mean(rewards)), "reward/acc": float(np.mean(accs)),
+                   "response/length": float(np.mean([len(r.token_ids) for r in rollouts])),
+                   "train/loss": loss.item(), **{f"train_rollout/{k}": v for k, v in kl.items() if k.startswith("kl")},
+                   "train_rollout/logprob_abs_diff_mean": kl["logprob_abs_diff_mean"],
+                   "is/ratio_mean": kl["is_ratio_mean"], "is/ratio_max": kl["is_ratio_max"],
+                   "is/capped_frac": kl["is_ratio_capped_frac"],
+                   "agreement/routing": float(np.mean(list(stats.routing_agreement.values()) or [1.0])),
+                   "agreement/blocks": float(np.mean(list(stats.block_agreement.values()) or [1.0])),
+                   "groups/mixed_frac": float(np.mean([len(set(rewards[j] for j in range(len(rewards))
+                                                                if group_ids[j] == g)) > 1 for g in set(group_ids)]))}
+        metrics.update({f"verl/{k}": v for k, v in loss_metrics.items() if isinstance(v, float)})
+        if not torch.isfinite(loss):
+            self.optimizer.zero_grad(set_to_none=True)
+            metrics.update({"train/skipped_nonfinite": 1.0, "time/step_s": time.perf_counter() - t0})
+            return metrics  # no update, no sync: the engine keeps the last good adapter
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, c.actor.optim.grad_clip)
+        if not torch.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            metrics.update({"train/skipped_nonfinite": 1.0, "time/step_s": time.perf_counter() - t0})
+            return metrics
+        self.optimizer.step()
+        t_train = time.perf_counter()
+        sync = self.sync()
+        t_sync = time.perf_counter()
+        metrics.update({"train/grad_norm": float(grad_norm), "train/skipped_nonfinite": 0.0,
+                        "sync/ms": sync["sync_ms"], "sync/bytes": sync["bytes"], "time/generate_s": t_gen - t0,
+                        "time/score_s": t_score - t_gen, "time/train_s": t_train - t_score,
+                        "time/sync_s": t_sync - t_train, "time/step_s": t_sync - t0})
+        return metrics
+
+    # -- the run --------------------------------------------------------------------------------------------------
+    def run(self) -> dict:
+        from rl.metrics import MetricsLogger
+
+        c = self.cfg
+        (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(c, resolve=True))
+        logger = MetricsLogger(self.run_dir, c, OmegaConf.to_container(c, resolve=True))
+        start, nan_streak = 0, 0
+        resumed = checkpointing.latest(self.run_dir) if c.trainer.resume else None
+        if resumed is not None:
+            start = checkpointing.load(resumed, self.model, self.optimizer, self.cursor)["step"]
+            self.log(f"resumed from {resumed} at step {start}")
+        self.sync()
+        summary = {"run_dir": str(self.run_dir), "model": self.model_path, "warmup": self.warmup_stats,
+                   "data": self.data_stats, "resumed_from_step": start}
+        if c.trainer.check_at_start and start == 0:
+            summary["check_step0"] = check = self.check()
+            self.log("check: " + json.dumps({k: check[k] for k in ("weights_exact", "passed", "routing_agreement",
+                                                                    "logprobs")}))
+            if not check["passed"]:
+                raise RuntimeError(f"rl.check failed at step 0: {json.dumps(check)}")
+        summary["eval_before"] = self.evaluate(c.trainer.eval_k)
+        self.log(f"eval before: {summary['eval_before']}")
+        with Progress(transient=True, disable=not c.logger.console) as progress:
+            task = progress.add_task("GRPO", total=c.trainer.total_training_steps, completed=start)
+            for step in range(start + 1, c.trainer.total_training_steps + 1):
+                metrics = self.step(step)
+                nan_streak = nan_streak + 1 if metrics.get("train/skipped_nonfinite") else 0
+                if c.trainer.test_freq and step % c.trainer.test_freq == 0:
+                    metrics.update({f"eval/{k}": v for k, v in self.evaluate(c.trainer.eval_k).items()})
+                logger.log(step, metrics)
+                progress.advance(task)
+                if nan_streak >= c.trainer.max_nan_steps:
+                    checkpointing.save(self.run_dir, step, self.model, self.lora_cfg, self.optimizer, self.cursor,
+                                       {"stopped": "non-finite loss"})
+                    raise RuntimeError(f"{nan_streak} non-finite steps in a row (step {step}); checkpoint saved")
+                if step % c.trainer.save_freq == 0 or step == c.trainer.total_training_steps:
+                    checkpointing.save(self.run_dir, step, self.model, self.lora_cfg, self.optimizer, self.cursor, {})
+        summary["eval_after"] = self.evaluate(c.trainer.eval_k)
+        self.log(f"eval after: {summary['eval_after']}")
+        rows = logger.rows
+        summary["steps"] = c.trainer.total_training_steps
+        summary["nonfinite_steps"] = int(sum(r.get("train/skipped_nonfinite", 0) or 0 for r in rows))
+        if rows:
+            summary["reward_first"], summary["reward_last"] = rows[0]["reward/mean"], rows[-1]["reward/mean"]
+        from rl.lora import save_adapter
+
+        summary["final_adapter"] = str(save_adapter(self.model, self.lora_cfg, self.run_dir / "final_adapter"))
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        logger.close()
+        return summary
+
+
+@hydra.main(config_path="../configs", config_name="config", version_base=None)
+def main(cfg) -> None:
+    torch.set_num_threads(int(os.environ.get("M3RL_TORCH_THREADS", "1")))  # 2-core CI: 1 thread is fastest
+    with Session(cfg) as session:
+        summary = session.run()
+    print(json.dumps({k: summary[k] for k in ("eval_before", "eval_after", "run_dir")}, indent=2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
