@@ -1,0 +1,153 @@
+"""rl.train end to end on the tiny M3 (fast settings): a 2-step smoke run, config/data/file errors before any
+heavy work, non-finite losses skipped without syncing and stopping with a checkpoint, resume after SIGKILL."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+
+from rl.config import register, validate
+from rollout.tiny_model import ensure_tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+register()
+
+
+def fast_overrides(run_dir, model_dir, steps=2):
+    return [f"model.path={model_dir}", "model.base=bf16", "model.dtype=float32", f"trainer.run_dir={run_dir}",
+            f"trainer.total_training_steps={steps}", "trainer.save_freq=1", "data.train_batch_size=2", "rollout.n=2",
+            "data.max_response_length=6", "data.val_size=4", "check.batch_prompts=2", "logger.wandb_mode=disabled",
+            "logger.console=false"]
+
+
+def compose_cfg(overrides):
+    with initialize_config_dir(str(ROOT / "configs"), version_base=None):
+        return compose(config_name="config", overrides=overrides)
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return str(ensure_tiny_model(dtype="float32").vllm)
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory, model_dir):
+    from rl.train import Session
+
+    cfg = compose_cfg(fast_overrides(tmp_path_factory.mktemp("run"), model_dir))
+    with Session(cfg) as s:
+        yield s
+
+
+def test_two_step_smoke_run(session):
+    summary = session.run()
+    run = Path(summary["run_dir"])
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in ("reward/mean", "reward/acc", "response/length", "train_rollout/kl_k1", "train_rollout/kl_k3",
+                "is/ratio_mean", "is/ratio_max", "is/capped_frac", "agreement/routing", "train/grad_norm",
+                "sync/ms", "sync/bytes", "time/generate_s", "time/score_s", "time/train_s", "time/sync_s"):
+        assert all(key in r for r in rows), key
+    check = summary["check_step0"]
+    assert check["passed"] and check["weights_exact"] and check["routing_agreement"]["with_replay"] == 1.0
+    assert (run / "summary.json").is_file() and (run / "config.yaml").is_file()
+    assert (run / "checkpoints" / "step_000002" / "adapter" / "adapter_model.safetensors").is_file()
+    assert (Path(summary["final_adapter"]) / "adapter_config.json").is_file()
+
+
+def test_nonfinite_loss_skips_step_without_sync_and_stops_with_checkpoint(session, monkeypatch):
+    import rl.train as train
+
+    before = session.engine.llm.collective_rpc("m3_installed_checksum", args=(1,))[0]
+    monkeypatch.setattr(train, "policy_loss", lambda *a, **k: (torch.tensor(float("nan"), requires_grad=True), {}))
+    metrics = session.step(100)
+    assert metrics["train/skipped_nonfinite"] == 1.0
+    assert session.engine.llm.collective_rpc("m3_installed_checksum", args=(1,))[0] == before  # not synced
+    session.cfg.trainer.total_training_steps = 5
+    session.cfg.trainer.max_nan_steps = 2
+    (session.run_dir / "checkpoints" / "latest").unlink()
+    with pytest.raises(RuntimeError, match="2 non-finite steps in a row"):
+        session.run()
+    latest = (session.run_dir / "checkpoints" / "latest").read_text().strip()
+    meta = json.loads((session.run_dir / "checkpoints" / latest / "meta.json").read_text())
+    assert meta["stopped"] == "non-finite loss"
+
+
+@pytest.mark.parametrize("override,message", [
+    ("algorithm.rollout_correction.rollout_iss=token", "Could not override"),
+    ("actor.optim.lr=fast", "fast"),
+    ("trainer.total_steps=3", "Could not override"),
+])
+def test_unknown_or_mistyped_keys_fail_at_composition(override, message):
+    with pytest.raises(ConfigCompositionException, match=message):
+        compose_cfg([override])
+
+
+@pytest.mark.parametrize("override,message", [
+    ("rollout.n=1", "rollout.n must be >= 2"),
+    ("model.lora.rank=24", "model.lora.rank=24"),
+    ("algorithm.rollout_correction.bypass_mode=false", "bypass_mode=false"),
+    ("actor.ppo_mini_batch_size=3", "one optimizer step per batch"),
+    ("model.base=fp8", "model.base='fp8'"),
+])
+def test_bad_values_fail_before_any_heavy_work(override, message):
+    with pytest.raises(ValueError, match=message):
+        validate(compose_cfg([override]))
+
+
+def test_missing_files_are_named(tmp_path, model_dir):
+    from rl.train import Session
+
+    with pytest.raises(FileNotFoundError, match="data.train_files"):
+        Session(compose_cfg(fast_overrides(tmp_path, model_dir) + ["data.train_files=/nope.parquet"]))
+    with pytest.raises(FileNotFoundError, match="model.path"):
+        Session(compose_cfg(fast_overrides(tmp_path, "/no/such/model")))
+
+
+def test_bad_rows_are_counted_or_rejected_with_the_row_id(tmp_path, model_dir):
+    from rl.data import BadRowError, make_addition_splits, write_rows
+    from rl.train import _load_rows
+
+    train, evals = make_addition_splits(n_train=20, n_eval=5)
+    train[3] = {k: v for k, v in train[3].items() if k != "reward_model"}
+    write_rows(train, tmp_path / "train.parquet")
+    write_rows(evals, tmp_path / "eval.parquet")
+    files = [f"data.train_files={tmp_path / 'train.parquet'}", f"data.val_files={tmp_path / 'eval.parquet'}"]
+    rows, _, stats = _load_rows(compose_cfg(fast_overrides(tmp_path, model_dir) + files))
+    assert len(rows) == 19 and stats["bad_rows_train"] == 1
+    with pytest.raises(BadRowError, match="index="):
+        _load_rows(compose_cfg(fast_overrides(tmp_path, model_dir) + files + ["data.on_bad_row=error"]))
+
+
+def _train_cmd(run_dir, model_dir, steps):
+    return [sys.executable, "-m", "rl.train", *fast_overrides(run_dir, model_dir, steps)]
+
+
+def test_resume_after_sigkill_reaches_the_same_adapter_bytes(tmp_path, model_dir):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    full = tmp_path / "full"
+    subprocess.run(_train_cmd(full, model_dir, 3), cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(_train_cmd(killed, model_dir, 3), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 600
+    while not (killed / "checkpoints" / "step_000002").is_dir() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (killed / "checkpoints" / "step_000002").is_dir()
+    subprocess.run(_train_cmd(killed, model_dir, 3), cwd=ROOT, env=env, check=True, capture_output=True,
+                   timeout=600)
+    summary = json.loads((killed / "summary.json").read_text())
+    assert summary["resumed_from_step"] in (2, 3)
+    a = (full / "checkpoints" / "step_000003" / "adapter" / "adapter_model.safetensors").read_bytes()
+    b = (killed / "checkpoints" / "step_000003" / "adapter" / "adapter_model.safetensors").read_bytes()
+    assert a == b
