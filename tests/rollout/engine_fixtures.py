@@ -1,5 +1,7 @@
 """Shared pieces of the engine tests: deterministic prompts, engines on the tiny model, the comparison."""
 
+from pathlib import Path
+
 import torch
 
 from rollout.engine import EngineConfig, RolloutEngine
@@ -45,3 +47,21 @@ def block_agreement(result: dict, sparse_layers: list[int]) -> float:
     pairs = [(block_sets(torch.from_numpy(blocks[pos, j]).long()), block_sets(result["ref"].blocks[layer][:, pos]))
              for j, layer in enumerate(sparse_layers) for pos in range(result["rows"])]
     return sum(a == b for a, b in pairs) / len(pairs)
+
+
+def quantized_tiny_model(dtype: str = "float32"):
+    """The tiny M3 converted by quant.convert (NVFP4 experts, MXFP8 linears), cached beside the bf16 copy."""
+    from quant.convert import quantize_checkpoint
+
+    paths = ensure_tiny_model(dtype=dtype)
+    out = paths.vllm.with_name(paths.vllm.name + "-quantized")
+    if not (out / "config.json").is_file():
+        import shutil
+        import tempfile
+
+        tmp = Path(tempfile.mkdtemp(prefix=".quantized-", dir=out.parent))
+        quantize_checkpoint(paths.vllm, tmp / "q")
+        shutil.rmtree(out, ignore_errors=True)
+        (tmp / "q").rename(out)
+        tmp.rmdir()
+    return out
