@@ -138,14 +138,12 @@ class Session:
                          self.cfg.data.max_response_length)
 
     def evaluate(self, k: int = 1) -> dict:
-        from rl.rewards import compute_score
+        """pass@1 (greedy when k == 1) and avg@k on the eval split, through the colocated engine (rl.eval)."""
+        from rl.eval import evaluate
 
-        groups = self.engine.generate(self.eval_prompts, n=k, temperature=0.0 if k == 1 else 1.0,
-                                      max_tokens=self.cfg.data.max_response_length, stop_token_ids=self.eos,
-                                      seed=self.cfg.trainer.seed)
-        accs = [[compute_score(row["data_source"], self._text(r), row["reward_model"]["ground_truth"])["acc"]
-                 for r in g] for row, g in zip(self.eval_rows, groups)]
-        return {"pass@1": float(np.mean([a[0] for a in accs])), f"avg@{k}": float(np.mean(accs))}
+        out = evaluate(self.engine, self.eval_rows, k=k, temperature=0.0 if k == 1 else 1.0,
+                       max_tokens=self.cfg.data.max_response_length, seed=self.cfg.trainer.seed, return_details=False)
+        return {key: out[key] for key in ("pass@1", "avg@k", "pass@k", "k") if key in out}
 
     def _text(self, rollout) -> str:
         return self.tokenizer.decode(rollout.token_ids, skip_special_tokens=True)
