@@ -9,18 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
 
-
-@dataclass
-class LoraCfg:
-    rank: int = 32
-    alpha: float = 64.0
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
-                                                                "gate_up_proj", "down_proj"])
-    target_experts: bool = True
-    target_indexer: bool = True
+from rl.lora import LoRAConfig
 
 
 @dataclass
@@ -32,7 +22,7 @@ class ModelCfg:
     kv_cache_dtype: str = "auto"
     indexer_kv_dtype: str = "bf16"
     attention_impl: str = "auto"
-    lora: LoraCfg = field(default_factory=LoraCfg)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # rank 32, alpha 64, every target (rl/lora.py)
 
 
 @dataclass

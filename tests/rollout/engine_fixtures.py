@@ -1,5 +1,6 @@
 """Shared pieces of the engine tests: deterministic prompts, engines on the tiny model, the comparison."""
 
+import json
 from pathlib import Path
 
 import torch
@@ -65,3 +66,35 @@ def quantized_tiny_model(dtype: str = "float32"):
         (tmp / "q").rename(out)
         tmp.rmdir()
     return out
+
+
+def make_adapter(reference, out_dir, seed: int):
+    """A random (non-zero B) rank-32 peft adapter on every target of the reference model (q/k/v/o, the indexer's
+    q/k, dense and shared-expert MLPs, routed experts in peft's 3D format), saved as peft does."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+
+    cfg = LoraConfig(r=32, lora_alpha=64, init_lora_weights=False,
+                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"],
+                     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    model = get_peft_model(reference, cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    model.save_pretrained(out_dir)
+    return model, load_file(f"{out_dir}/adapter_model.safetensors"), json.load(open(f"{out_dir}/adapter_config.json"))
+
+
+def assert_within_bf16_bounds(result: dict, bounds: tuple, sparse_layers: list[int], label: str) -> None:
+    """bf16 engine vs an fp32 reference: (median, mean) of prompt-logprob |delta|, max over generated tokens, and
+    the minimum MSA block agreement."""
+    median, mean, new_max, agreement = bounds
+    d = result["prompt_delta"]
+    agree = block_agreement(result, sparse_layers)
+    print(f"{label}: median {d.median():.3g} mean {d.mean():.3g} max {d.max():.3g} "
+          f"generated max {result['new_delta'].max():.3g} block agreement {agree:.4f}")
+    assert d.median() <= median and d.mean() <= mean
+    assert result["new_delta"].max() <= new_max
+    assert agree >= agreement

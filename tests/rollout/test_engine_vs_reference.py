@@ -6,16 +6,21 @@ prompt and a 700-token prompt where MSA keeps a strict subset of the visible blo
 
 import pytest
 
-from tests.rollout.engine_fixtures import BLOCK, LONG, SHORT, block_agreement, make_engine, prompt_ids, run_and_compare
+from tests.rollout.engine_fixtures import (BLOCK, LONG, SHORT, assert_within_bf16_bounds, block_agreement,
+                                          make_engine, prompt_ids, run_and_compare)
 
 
-@pytest.fixture(scope="module")
-def fp32_results():
-    engine, reference, _ = make_engine("float32", enable_lora=False)
+def _results(dtype: str) -> dict:
+    engine, reference, _ = make_engine(dtype, enable_lora=False)
     results = {n: run_and_compare(engine, reference, prompt_ids(n, seed=n)) for n in (SHORT, LONG)}
     results["layout"] = engine.layout
     engine.close()
     return results
+
+
+@pytest.fixture(scope="module")
+def fp32_results():
+    return _results("float32")
 
 
 @pytest.mark.parametrize("n", [SHORT, LONG])
@@ -54,21 +59,10 @@ BF16_BOUNDS = {  # n: (median, mean, max over generated tokens, min block agreem
 
 @pytest.fixture(scope="module")
 def bf16_results(fp32_results):  # after the fp32 engine is gone: one engine at a time
-    engine, reference, _ = make_engine("bfloat16", enable_lora=False)
-    results = {n: run_and_compare(engine, reference, prompt_ids(n, seed=n)) for n in (SHORT, LONG)}
-    results["layout"] = engine.layout
-    engine.close()
-    return results
+    return _results("bfloat16")
 
 
 @pytest.mark.parametrize("n", [SHORT, LONG])
 def test_bf16_logprobs_within_stated_bounds(bf16_results, n):
-    r = bf16_results[n]
-    median, mean, new_max, agreement = BF16_BOUNDS[n]
-    d = r["prompt_delta"]
-    agree = block_agreement(r, bf16_results["layout"]["sparse_layers"])
-    print(f"bf16 n={n}: median {d.median():.3g} mean {d.mean():.3g} max {d.max():.3g} "
-          f"new max {r['new_delta'].max():.3g} block agreement {agree:.4f}")
-    assert d.median() <= median and d.mean() <= mean
-    assert r["new_delta"].max() <= new_max
-    assert agree >= agreement
+    assert_within_bf16_bounds(bf16_results[n], BF16_BOUNDS[n], bf16_results["layout"]["sparse_layers"],
+                              f"bf16 n={n}")

@@ -5,35 +5,13 @@ One fp32 engine serves the tiny M3 with LoRA on; the reference is transformers +
 format). Tolerance for fp32: 1e-3 max |delta logprob| (measured ~1e-5).
 """
 
-import json
-
 import numpy as np
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-from safetensors.torch import load_file
 
 from rollout.adapter_sync import AdapterError, adapter_checksum, pack_adapter
 from rollout.engine import ADAPTER_ID
-from tests.rollout.engine_fixtures import LONG, SHORT, make_engine, prompt_ids, run_and_compare
-
-TARGETS = dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"],
-               target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-
-
-def make_adapter(reference, out_dir, seed: int):
-    """A random (non-zero B) rank-32 peft adapter on the reference model, saved in peft's format."""
-    cfg = LoraConfig(r=32, lora_alpha=64, init_lora_weights=False, **TARGETS)
-    model = get_peft_model(reference, cfg)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-    model.save_pretrained(out_dir)
-    tensors = load_file(f"{out_dir}/adapter_model.safetensors")
-    return model, tensors, json.load(open(f"{out_dir}/adapter_config.json"))
-
+from tests.rollout.engine_fixtures import LONG, SHORT, make_adapter, make_engine, prompt_ids, run_and_compare
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):

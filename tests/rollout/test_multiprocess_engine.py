@@ -4,8 +4,7 @@ the plugin loads there through the entry point, adapters travel as one safetenso
 import numpy as np
 import pytest
 
-from tests.rollout.engine_fixtures import SHORT, make_engine, prompt_ids, run_and_compare
-from tests.rollout.test_lora_sync_capture import make_adapter
+from tests.rollout.engine_fixtures import SHORT, make_adapter, make_engine, prompt_ids, run_and_compare
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,8 @@ from quant.checkpoint import QuantizedCheckpoint
 from quant.convert import quantize_checkpoint
 from rollout.engine import EngineConfig, RolloutEngine
 from rollout.tiny_model import ensure_tiny_model, to_hf_state_dict
-from tests.rollout.engine_fixtures import LONG, SHORT, block_agreement, prompt_ids, run_and_compare
+from tests.rollout.engine_fixtures import (LONG, SHORT, assert_within_bf16_bounds, block_agreement,
+                                          make_adapter, prompt_ids, run_and_compare)
 from tests.rollout.hf_reference import load_reference, teacher_forced
 
 FP32_TOL = 1e-3
@@ -59,21 +60,6 @@ def quantized(tmp_path_factory):
     quantize_checkpoint(paths.vllm, root / "m3q")
     return {"dir": root / "m3q", "hf": dequantized_hf_copy(root / "m3q", paths.hf, root / "m3q-hf"),
             "unquantized_hf": paths.hf, "adapter": root / "adapter"}
-
-
-def make_adapter(reference, out_dir, seed: int):
-    """A random rank-32 peft adapter on every target (routed experts in peft's 3D format), saved as peft does."""
-    cfg = LoraConfig(r=32, lora_alpha=64, init_lora_weights=False,
-                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"],
-                     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    model = get_peft_model(reference, cfg)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-    model.save_pretrained(out_dir)
-    return model, load_file(f"{out_dir}/adapter_model.safetensors"), json.load(open(f"{out_dir}/adapter_config.json"))
 
 
 def engine(q, dtype: str, **kw) -> RolloutEngine:
@@ -191,12 +177,5 @@ def test_vllm_cpu_has_no_method_of_its_own_for_these_formats(bf16_results):
 
 @pytest.mark.parametrize("n", [SHORT, LONG])
 def test_bf16_engine_within_the_stated_bounds(bf16_results, n):
-    r = bf16_results[n]
-    median, mean, new_max, agreement = BF16_BOUNDS[n]
-    d = r["prompt_delta"]
-    agree = block_agreement(r, bf16_results["layout"]["sparse_layers"])
-    print(f"bf16 n={n}: median {d.median():.3g} mean {d.mean():.3g} max {d.max():.3g} "
-          f"generated max {r['new_delta'].max():.3g} block agreement {agree:.4f}")
-    assert d.median() <= median and d.mean() <= mean
-    assert r["new_delta"].max() <= new_max
-    assert agree >= agreement
+    assert_within_bf16_bounds(bf16_results[n], BF16_BOUNDS[n], bf16_results["layout"]["sparse_layers"],
+                              f"bf16 n={n}")
