@@ -10,18 +10,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rl.lora import load_adapter_tensors, save_adapter
+from rl.lora import load_adapter_tensors, write_adapter
 
 
-def save(run_dir: Path, step: int, model, lora_cfg, optimizer, cursor, extra: dict) -> Path:
+def save(run_dir: Path, step: int, adapter_fp32: dict, lora_cfg, optimizer, cursor, extra: dict) -> Path:
+    """adapter_fp32: the full (gathered) LoRA tensors in fp32, the exact trained values. The optimizer state is
+    saved only for a single-rank run (a sharded one cannot be resumed yet: rl.train refuses that)."""
     ckpt_root = run_dir / "checkpoints"
     final = ckpt_root / f"step_{step:06d}"
     tmp = ckpt_root / f".step_{step:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_adapter(model, lora_cfg, tmp / "adapter", dtype=torch.float32)  # fp32: the exact trained values
-    torch.save({"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
-                "python_rng": random.getstate(), "numpy_rng": np.random.get_state()}, tmp / "state.pt")
+    write_adapter(adapter_fp32, lora_cfg, tmp / "adapter")
+    if optimizer is not None:
+        torch.save({"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
+                    "python_rng": random.getstate(), "numpy_rng": np.random.get_state()}, tmp / "state.pt")
     (tmp / "meta.json").write_text(json.dumps({"step": step, "cursor": cursor.state_dict(), **extra}, indent=2))
     with open(tmp / "meta.json") as f:
         os.fsync(f.fileno())

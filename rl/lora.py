@@ -157,12 +157,17 @@ def load_adapter_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> 
 
 def save_adapter(model: nn.Module, cfg: LoRAConfig, out_dir, dtype=torch.bfloat16) -> Path:
     """peft's on-disk format (adapter_model.safetensors + adapter_config.json), written atomically."""
+    return write_adapter(adapter_state_dict(model, dtype), cfg, out_dir)
+
+
+def write_adapter(tensors: dict[str, torch.Tensor], cfg: LoRAConfig, out_dir) -> Path:
+    """Write peft-named tensors (e.g. gathered from FSDP shards) in peft's on-disk format, atomically."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    save_file(adapter_state_dict(model, dtype), str(tmp / "adapter_model.safetensors"))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"))
     (tmp / "adapter_config.json").write_text(json.dumps(peft_config(cfg), indent=2) + "\n")
     if out.exists():
         import shutil

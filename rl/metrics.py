@@ -12,11 +12,12 @@ CONSOLE_KEYS = ("reward/mean", "reward/acc", "response/length", "train_rollout/k
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, cfg, resolved_config: dict):
+    def __init__(self, run_dir: Path, cfg, resolved_config: dict, enabled: bool = True):
         self.path = run_dir / "metrics.jsonl"
-        self.console = Console() if cfg.logger.console else None
+        self.enabled = enabled  # rank 0 of a torchrun run writes; the others only keep rows
+        self.console = Console() if cfg.logger.console and enabled else None
         self.wandb = None
-        if cfg.logger.wandb_mode != "disabled":
+        if cfg.logger.wandb_mode != "disabled" and enabled:
             import wandb
 
             self.wandb = wandb.init(project=cfg.logger.project, mode=cfg.logger.wandb_mode, dir=str(run_dir),
@@ -26,8 +27,9 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict) -> None:
         row = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                                 for k, v in metrics.items()}}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
         self.rows.append(row)

