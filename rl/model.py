@@ -190,6 +190,8 @@ class MoE(nn.Module):
     def forward(self, x, replay_ids=None):
         logits = x.float() @ self.gate.t()  # GateLinear: fp32 weights and output
         weights, ids, own = route(logits, self.bias, self.top_k, self.scaling, replay_ids)
+        if x.is_cuda and self.experts.quantized and x.dtype == torch.bfloat16:
+            return self._grouped(x, weights, ids) + self.shared_experts(x), own, ids
         acc = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         lora = getattr(self.experts, "lora", None)
         for e in torch.unique(ids).tolist():
@@ -204,6 +206,29 @@ class MoE(nn.Module):
                 y = y + lora.down(act, e)
             acc = acc.index_add(0, tok, y.float() * weights[tok, slot, None])
         return acc.to(x.dtype) + self.shared_experts(x), own, ids
+
+
+    def _grouped(self, x, weights, ids):
+        """GPU path: all routed experts in two grouped NVFP4 GEMMs (quant.kernels), tokens sorted by expert; LoRA
+        per expert on its contiguous rows. Same serving form as the per-expert loop."""
+        from quant.kernels import nvfp4_moe_linear, sort_by_expert
+
+        e = self.experts
+        order, offsets = sort_by_expert(ids, e.w13_gs.numel())
+        tok = order // self.top_k
+        xs = x[tok]
+        gate_up = nvfp4_moe_linear(xs, e.w13_packed, e.w13_scale, e.w13_gs, offsets)
+        lora = getattr(e, "lora", None)
+        bounds = offsets.tolist()
+        if lora is not None:
+            gate_up = gate_up + torch.cat([lora.gate_up(xs[a:b], i) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))])
+        act = swigluoai_uninterleave(gate_up, self.alpha, self.limit, self.beta)
+        y = nvfp4_moe_linear(act, e.w2_packed, e.w2_scale, e.w2_gs, offsets)
+        if lora is not None:
+            y = y + torch.cat([lora.down(act[a:b], i) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))])
+        w = weights.reshape(-1)[order]
+        acc = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        return acc.index_add(0, tok, y.float() * w[:, None]).to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
