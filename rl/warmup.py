@@ -54,16 +54,23 @@ def build_builtin_model(cfg, train_rows, eval_rows, log=print) -> tuple[Path, di
     w, seed = cfg.warmup, cfg.trainer.seed
     paths = ensure_tiny_model(Path(cfg.trainer.cache_dir) / "tiny_models", seed=seed, dtype="float32",
                               **dict(w.tiny_overrides))
+    # The warm-up is keyed by what determines it; the served copies (dtype, base) are derived from it.
     key = hashlib.sha256(json.dumps({"tiny": paths.vllm.name, "warmup": {k: w[k] for k in w if k != "tiny_overrides"},
-                                     "dtype": cfg.model.dtype, "base": cfg.model.base, "n_train": len(train_rows),
-                                     "v": 1}, sort_keys=True, default=str).encode()).hexdigest()[:12]
+                                     "n_train": len(train_rows), "v": 2}, sort_keys=True, default=str).encode()
+                         ).hexdigest()[:12]
     root = Path(cfg.trainer.cache_dir) / "builtin" / key
-    served = root / ("quantized" if cfg.model.base == "quantized" else "served")
-    done = root / "warmup.json"
+    sft_file, done = root / "sft.safetensors", root / "warmup.json"
+    served = root / f"{cfg.model.dtype}-{cfg.model.base}"
     if done.is_file() and served.is_dir():
         stats = json.loads(done.read_text())
         log(f"warm-up: reusing {served} (expected sampled accuracy {stats['expected_sampled_acc']:.3f})")
         return served, stats
+    if done.is_file() and sft_file.is_file():
+        from safetensors.torch import load_file
+
+        stats = json.loads(done.read_text())
+        log(f"warm-up: reusing {sft_file}; writing the served copy {served.name}")
+        return _serve(paths, load_file(str(sft_file)), root, served, cfg), stats
 
     tokenizer = AutoTokenizer.from_pretrained(str(paths.vllm))
     train, evals = _examples(train_rows, tokenizer), _examples(eval_rows[:200], tokenizer)
@@ -89,11 +96,26 @@ def build_builtin_model(cfg, train_rows, eval_rows, log=print) -> tuple[Path, di
             if acc >= w.target_sampled_acc:
                 break
     root.mkdir(parents=True, exist_ok=True)
-    bf16_dir = write_served_copy(paths, root / "served", model.state_dict(), cfg.model.dtype)
-    if cfg.model.base == "quantized":
-        from quant.convert import quantize_checkpoint
+    from safetensors.torch import save_file
 
-        quantize_checkpoint(bf16_dir, served)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(sft_file))
     stats = {"steps": step, "expected_sampled_acc": acc, "seconds": time.time() - t0, "tiny_model": str(paths.vllm)}
     done.write_text(json.dumps(stats, indent=2) + "\n")
-    return served, stats
+    return _serve(paths, state, root, served, cfg), stats
+
+
+def _serve(paths, state, root: Path, served: Path, cfg) -> Path:
+    """The served checkpoint of the warmed-up weights: unquantized in the model dtype, then quantized if asked."""
+    import shutil
+
+    plain = write_served_copy(paths, root / f"{cfg.model.dtype}-plain", state, cfg.model.dtype)
+    if cfg.model.base != "quantized":
+        return plain
+    from quant.convert import quantize_checkpoint
+
+    tmp = served.with_name(served.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    quantize_checkpoint(plain, tmp)
+    tmp.rename(served)
+    return served
