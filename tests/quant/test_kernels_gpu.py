@@ -25,9 +25,15 @@ from quant.kernels.mxfp8_linear import _fused_dgrad, _fused_fwd, mxfp8_dequantiz
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():  # collected on CPU CI only with -m gpu; skip cleanly there
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-pytest.importorskip("triton")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cuda_and_triton():
+    """Deselected on CPU CI (marker gpu); run with -m gpu on a machine without CUDA/Triton, it fails loudly."""
+    import importlib.util
+
+    if not torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
+        pytest.fail("marker gpu: needs a CUDA GPU with Triton")
 
 DEV = "cuda"
 BF16 = torch.bfloat16
