@@ -122,19 +122,37 @@ def _mm_fp32(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
     return a.to(torch.float32) @ b_t.to(torch.float32).t()
 
 
-class _GlobalScaledMatmul(torch.autograd.Function):
-    """y = RNE_dtype(fp32acc(x @ w^T) * gs); dx = RNE_dtype(fp32acc(dy @ w) * gs). w is frozen."""
+class _NVFP4Matmul(torch.autograd.Function):
+    """y = RNE_dtype(fp32acc(x @ (e2m1*s)^T) * gs); dx = RNE_dtype(fp32acc(dy @ (e2m1*s)) * gs). The weight is
+    frozen and only its packed bytes are kept for backward (the dequantized copy is rebuilt there): saving the
+    dtype weight would make the quantized base cost as much activation memory as a bf16 one."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        ctx.save_for_backward(w, gs)
-        return (_mm_fp32(x, w) * gs).to(x.dtype)
+    def forward(ctx, x, packed, scale, gs, dtype):  # noqa: D102
+        ctx.save_for_backward(packed, scale, gs)
+        ctx.dtype = dtype
+        return (_mm_fp32(x, nvfp4_weight(packed, scale, dtype)) * gs).to(x.dtype)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # noqa: D102
-        w, gs = ctx.saved_tensors
-        gx = (_mm_fp32(grad.to(w.dtype), w.t()) * gs).to(w.dtype)
-        return gx, None, None
+    def backward(ctx, grad):  # noqa: D102
+        packed, scale, gs = ctx.saved_tensors
+        w = nvfp4_weight(packed, scale, ctx.dtype)
+        return (_mm_fp32(grad.to(w.dtype), w.t()) * gs).to(w.dtype), None, None, None, None
+
+
+class _MXFP8Matmul(torch.autograd.Function):
+    """x @ dequant(W)^T with the E4M3 bytes and E8M0 scales kept for backward, not the dtype weight."""
+
+    @staticmethod
+    def forward(ctx, x, weight, scale, dtype):  # noqa: D102
+        ctx.save_for_backward(weight, scale)
+        ctx.dtype = dtype
+        return F.linear(x, mxfp8.dequantize(weight, scale, dtype))
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        weight, scale = ctx.saved_tensors
+        return grad @ mxfp8.dequantize(weight, scale, ctx.dtype), None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,7 +243,6 @@ def nvfp4_linear(
         raise ValueError(
             f"x has shape {tuple(x.shape)}; expected [..., {k}] to match packed {tuple(packed.shape)}"
         )
-    w = nvfp4_weight(packed, scale, dtype)
     x = x.to(dtype)
     if profile == "blackwell":
         if input_global_scale_enc is None:
@@ -234,8 +251,8 @@ def nvfp4_linear(
     gs = torch.as_tensor(global_scale_dec, dtype=torch.float32, device=x.device)
     if gs.numel() != 1:
         raise ValueError(f"global_scale_dec has shape {tuple(gs.shape)}; expected one element per linear")
-    y = _GlobalScaledMatmul.apply(x.reshape(-1, k), w, gs.reshape(()))
-    return y.reshape(*x.shape[:-1], w.shape[0])
+    y = _NVFP4Matmul.apply(x.reshape(-1, k), packed, scale, gs.reshape(()), dtype)
+    return y.reshape(*x.shape[:-1], packed.shape[0])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,11 +280,11 @@ def mxfp8_linear(
         raise ValueError(
             f"x has shape {tuple(x.shape)} and weight {tuple(weight.shape)}; expected [..., K] and [N, K]"
         )
-    w = mxfp8.dequantize(weight, scale, dtype)
     x = x.to(dtype)
     if profile == "blackwell":
         x = mxfp8_act_qdq(x)
-    return F.linear(x, w, None if bias is None else bias.to(dtype))
+    y = _MXFP8Matmul.apply(x, weight, scale, dtype)
+    return y if bias is None else y + bias.to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------

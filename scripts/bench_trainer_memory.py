@@ -2,7 +2,12 @@
 """Trainer peak memory of one forward+backward of `token_logprobs`: quantized base vs bf16 base.
 
     python scripts/bench_trainer_memory.py [--device cpu|cuda] [--models tiny,slice] [--slice-experts 128]
-                                           [--tokens 256] [--repeats 3] [--mem-limit-gb 16] [--out FILE.json]
+        [--bases quantized,bf16,quantized_recompute] [--tokens 256] [--repeats 3] [--slice-repeats N]
+        [--threads N] [--mem-limit-gb 16] [--out FILE.json]
+
+Full slice on a GPU (build ~3 min, then about a minute per case): --device cuda --slice-repeats 1. On a 2-core CPU
+the full width does not fit in bf16 (~30 GB); results/trainer_memory_cpu.json used --slice-experts 32 --tokens 64
+(4-7 min per case).
 
 Models:
 - tiny: the rollout.tiny_model checkpoint (hidden 256, 8 experts), trained in bf16.
@@ -15,7 +20,8 @@ Models:
 
 Bases: "quantized" (what the trainer serves from), "bf16", and "quantized_recompute", a what-if that is not the
 trainer's code: the same quantized base with every dequantize+GEMM wrapped in activation checkpointing, so the
-bf16 weight it materializes is rebuilt in backward instead of being kept by autograd.
+bf16 weight it materializes is rebuilt in backward instead of being kept by autograd. (On CUDA with bf16 the MoE
+runs grouped NVFP4 kernels that already keep only packed weights; the what-if then changes the MXFP8 projections.)
 
 Each measurement runs in a fresh subprocess. CPU: peak RSS (VmHWM, reset through /proc/self/clear_refs just
 before the step, so model loading does not count), and the process baseline after imports; parameters and
@@ -121,8 +127,9 @@ def build_slice(experts: int, device: str = "cpu", seed: int = 0) -> Path:
     return out
 
 
-def estimate_gb(t: dict, base: str, tokens: int) -> dict:
-    """Rough bytes of the frozen base and of what one step keeps alive, to skip cases that cannot fit."""
+def estimate_gb(t: dict, base: str, tokens: int, grouped: bool = False) -> dict:
+    """Rough bytes of the frozen base and of what one step keeps alive, to skip cases that cannot fit.
+    grouped: the CUDA bf16 MoE path (grouped NVFP4 kernels), which keeps no dequantized expert weight."""
     h, layers, e, i = t["hidden_size"], t["num_hidden_layers"], t["num_local_experts"], t["intermediate_size"]
     s = t["sparse_attention_config"]
     q, kv = t["num_attention_heads"] * t["head_dim"], t["num_key_value_heads"] * t["head_dim"]
@@ -139,7 +146,8 @@ def estimate_gb(t: dict, base: str, tokens: int) -> dict:
         resident = 0.5625 * expert + 1.03 * linear + other + lora / 2
         load = resident + 0.5625 * expert / layers
         # autograd keeps each dequantized bf16 weight until backward, unless it is recomputed
-        step = lora / 2 + (0 if base == "quantized_recompute" else 2 * (expert * used + linear))
+        kept = 0 if base == "quantized_recompute" else 2 * ((0 if grouped else expert * used) + linear)
+        step = lora / 2 + kept
     return {"resident": resident / GB, "load": load / GB, "step": (resident + step) / GB}
 
 
@@ -182,24 +190,26 @@ def detach_from_files(model) -> None:
 
 
 def recompute_dequantized_weights() -> None:
-    """The what-if: rebuild each dequantized weight in backward instead of keeping it (checkpoint per GEMM)."""
+    """The what-if: rebuild each dequantized weight in backward instead of keeping it (checkpoint per GEMM). On
+    CUDA the bf16 MoE already runs the grouped NVFP4 kernels (rl.model.MoE._grouped), which keep only the packed
+    weights; there this changes the MXFP8 projections alone."""
     import torch
     from torch.utils.checkpoint import checkpoint
 
     from quant.serving import MXFP8Linear
     from rl.quantized_base import ExpertWeights
 
-    apply, fwd = ExpertWeights._expert_linear, MXFP8Linear.forward
+    expert, fwd = ExpertWeights._expert_linear, MXFP8Linear.forward
 
-    def expert_apply(self, name, x, e):
+    def expert_linear(self, name, x, e):
         if not (self.quantized and torch.is_grad_enabled()):
-            return apply(self, name, x, e)
-        return checkpoint(apply, self, name, x, e, use_reentrant=False)
+            return expert(self, name, x, e)
+        return checkpoint(expert, self, name, x, e, use_reentrant=False)
 
     def linear_forward(self, x):
         return checkpoint(fwd, self, x, use_reentrant=False) if torch.is_grad_enabled() else fwd(self, x)
 
-    ExpertWeights._expert_linear, MXFP8Linear.forward = expert_apply, linear_forward
+    ExpertWeights._expert_linear, MXFP8Linear.forward = expert_linear, linear_forward
 
 
 def measure(spec: dict) -> dict:
@@ -330,8 +340,22 @@ def main(argv=None) -> int:
         "tokens": args.tokens, "dtype": args.dtype, "repeats": args.repeats, "slice_repeats": slice_repeats,
         "steps": args.steps,
         "threads": args.threads, "mem_limit_gb": limit and round(limit, 1), "slice_experts": args.slice_experts},
-        "cases": {}, "ratios": {}, "not_measured": {}}
+        "notes": [], "ratios": {}, "cases": {}, "not_measured": {}}
     metric = "step_peak_gb"
+    grouped = args.device == "cuda" and args.dtype == "bfloat16"  # rl.model.MoE takes the grouped kernels then
+    report["notes"] = [
+        "step_peak_gb: " + ("max_memory_allocated over one forward+backward (weights, LoRA and its gradients "
+                            "included)" if args.device == "cuda" else
+                            "peak RSS of the worker over one forward+backward (VmHWM reset before the step; "
+                            "includes the Python/torch runtime, baseline_rss_gb)"),
+        "MoE path: " + ("grouped NVFP4 kernels (quant.kernels), which keep only packed weights for backward"
+                        if grouped else "per-expert loop: each used expert's dequantized bf16 weight is kept by "
+                        "autograd until backward (before quant.serving kept only packed bytes for backward)"),
+        "MXFP8 projections (quant.serving.MXFP8Linear) keep their dequantized bf16 weight until backward on every "
+        "device; quantized_recompute is a what-if that rebuilds these weights in backward instead",
+        "ratios: quantized base / bf16 base of step_peak_gb; step_peak_above_baseline subtracts the runtime "
+        "baseline first; state = bytes of parameters + buffers",
+    ]
     for model in args.models.split(","):
         if model == "tiny":
             path, t = str(ensure_tiny_model(dtype="bfloat16").vllm), None
@@ -347,7 +371,7 @@ def main(argv=None) -> int:
             if base not in BASES:
                 ap.error(f"--bases: unknown base {base!r}")
             key = f"{name}/{base}"
-            est = estimate_gb(t, base, args.tokens) if t else None
+            est = estimate_gb(t, base, args.tokens, grouped) if t else None
             if est and args.device == "cpu" and max(est["load"], est["step"]) > limit:
                 report["not_measured"][key] = (f"estimated {max(est['load'], est['step']):.1f} GB (load "
                                                f"{est['load']:.1f}, step {est['step']:.1f}) > limit {limit:.1f} GB")
@@ -380,10 +404,11 @@ def main(argv=None) -> int:
     if "slice" in args.models.split(",") and args.slice_experts != 128:
         full = slice_text_config(128)
         for base in args.bases.split(","):
-            est = estimate_gb(full, base, args.tokens)
+            here, gpu = estimate_gb(full, base, args.tokens, grouped), estimate_gb(full, base, args.tokens, True)
             report["not_measured"][f"slice_e128/{base}"] = (
-                f"not run here (--slice-experts {args.slice_experts}); estimated load {est['load']:.1f} GB, step "
-                f"peak {est['step']:.1f} GB; run --slice-experts 128 --device cuda")
+                f"not run (--slice-experts {args.slice_experts}); estimated here: load {here['load']:.1f} GB, step "
+                f"peak {here['step']:.1f} GB; on CUDA (grouped experts): step peak {gpu['step']:.1f} GB; run "
+                "--slice-experts 128 --device cuda")
     out = Path(args.out or ROOT / "results" / f"trainer_memory_{args.device}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
