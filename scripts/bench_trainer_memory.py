@@ -18,8 +18,8 @@ Models:
   MXFP8 projections; quant.convert's plan), so no bf16 copy of all experts ever exists.
   The bf16 base is the same checkpoint dequantized on load.
 
-Bases: "quantized" (what the trainer serves from), "bf16", and "quantized_recompute", a what-if that is not the
-trainer's code: the same quantized base with every dequantize+GEMM wrapped in activation checkpointing, so the
+Bases: "quantized" (what the trainer serves from), "bf16", and (only when named in --bases) "quantized_recompute",
+a what-if that is not the trainer's code: the same quantized base with every dequantize+GEMM wrapped in activation checkpointing, so the
 bf16 weight it materializes is rebuilt in backward instead of being kept by autograd. (On CUDA with bf16 the MoE
 runs grouped NVFP4 kernels that already keep only packed weights; the what-if then changes the MXFP8 projections.)
 
@@ -272,7 +272,10 @@ def run_case(spec: dict, limit_gb: float | None, timeout_s: float) -> dict:
     """One fresh worker. On CPU a watchdog kills it once its anonymous RSS passes `limit_gb` (an rlimit cannot be
     used: safetensors maps whole shards writable-private, which counts as data and address space)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = dict(os.environ)
+    if spec["device"] == "cpu":  # see the notes in the report
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline, why = time.monotonic() + timeout_s, None
     stdout, stderr = "", ""
     while p.poll() is None:
@@ -307,7 +310,7 @@ def main(argv=None) -> int:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--models", default="tiny,slice", help="comma list of tiny, slice")
-    ap.add_argument("--bases", default=",".join(BASES), help=f"comma list of {', '.join(BASES)}")
+    ap.add_argument("--bases", default="quantized,bf16", help=f"comma list of {', '.join(BASES)}")
     ap.add_argument("--slice-experts", type=int, default=128, help="routed experts per slice layer (M3: 128)")
     ap.add_argument("--tokens", type=int, default=256, help="tokens per step (two packed sequences)")
     ap.add_argument("--dtype", default="bfloat16")
@@ -348,11 +351,12 @@ def main(argv=None) -> int:
                             "included)" if args.device == "cuda" else
                             "peak RSS of the worker over one forward+backward (VmHWM reset before the step; "
                             "includes the Python/torch runtime, baseline_rss_gb)"),
-        "MoE path: " + ("grouped NVFP4 kernels (quant.kernels), which keep only packed weights for backward"
-                        if grouped else "per-expert loop: each used expert's dequantized bf16 weight is kept by "
-                        "autograd until backward (before quant.serving kept only packed bytes for backward)"),
-        "MXFP8 projections (quant.serving.MXFP8Linear) keep their dequantized bf16 weight until backward on every "
-        "device; quantized_recompute is a what-if that rebuilds these weights in backward instead",
+        "MoE path: " + ("grouped NVFP4 kernels (quant.kernels)" if grouped else "per-expert loop (quant.serving)")
+        + "; the quantized base keeps only packed bytes for backward and rebuilds each dequantized weight there "
+        "(quant.serving since 9e5c6fa; before, autograd kept every used expert's and projection's bf16 weight)",
+        "quantized_recompute (what-if, only with --bases): activation checkpointing around each dequantize+GEMM",
+        "CPU workers run with MALLOC_MMAP_THRESHOLD_=1 MiB: otherwise glibc keeps the freed 0.1-32 MB blocks of "
+        "the per-weight dequantization in its heap and RSS reports that cache, not live tensors",
         "ratios: quantized base / bf16 base of step_peak_gb; step_peak_above_baseline subtracts the runtime "
         "baseline first; state = bytes of parameters + buffers",
     ]

@@ -1,8 +1,10 @@
-"""FSDP2 on 2 gloo ranks computes what one process computes: the same loss and LoRA gradients (fp32, tiny model).
+"""FSDP2 on 2 gloo ranks computes what one process computes: the same loss and LoRA gradients (tiny model).
 
 Each rank takes half of a packed batch of sequences; loss = -(sum of token logprobs) / (tokens in the whole batch).
 FSDP2 averages gradients over ranks, so each rank backpropagates world_size x its share. Both ranks first run the
 single-process reference on the whole batch with an unsharded model, then shard that same model and run their half.
+Cases: bf16 and quantized bases in fp32 (tolerance 1e-5), and the production form, a bf16 model with a bf16
+all-gather of the LoRA weights (their values are bf16-representable, so only gradient rounding differs).
 """
 
 import json
@@ -50,7 +52,7 @@ def _worker(rank, port, path, out_dir):
     from rl.lora import adapter_state_dict, lora_parameters
     from rl.model import M3ForTraining, TrainerModelConfig
 
-    info = init_distributed(timeout_s=120)
+    info = init_distributed(backend="gloo", timeout_s=120)  # gloo on a GPU box too
     assert (info.rank, info.world_size, dist.get_backend()) == (rank, WORLD, "gloo")
     total = sum(LENS)
     mine = _batch(range(rank * 3, rank * 3 + 3))
