@@ -276,15 +276,13 @@ def run_case(spec: dict, limit_gb: float | None, timeout_s: float) -> dict:
     if spec["device"] == "cpu":  # see the notes in the report
         env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    deadline, why = time.monotonic() + timeout_s, None
-    stdout, stderr = "", ""
-    while p.poll() is None:
+    deadline = time.monotonic() + timeout_s
+    while True:
         try:
             stdout, stderr = p.communicate(timeout=0.2)
+            break
         except subprocess.TimeoutExpired:
             pass
-        else:
-            break
         anon = _status_kb("RssAnon", p.pid) * 1024 / GB if limit_gb else 0
         if anon > (limit_gb or math.inf) or time.monotonic() > deadline:
             why = f"anonymous RSS {anon:.1f} GB > limit {limit_gb:.1f} GB" if anon > (limit_gb or math.inf) \
