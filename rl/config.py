@@ -22,6 +22,8 @@ class ModelCfg:
     kv_cache_dtype: str = "auto"
     indexer_kv_dtype: str = "bf16"
     attention_impl: str = "auto"
+    moe_impl: str = "auto"
+    activation_checkpointing: bool = False
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # rank 32, alpha 64, every target (rl/lora.py)
 
 
@@ -145,7 +147,8 @@ class Config:
 CHOICES = {
     "model.dtype": ("bfloat16", "float32"), "model.base": ("quantized", "bf16"), "model.profile": ("hopper", "blackwell"),
     "model.kv_cache_dtype": ("auto", "nvfp4"), "model.indexer_kv_dtype": ("bf16", "nvfp4"),
-    "model.attention_impl": ("auto", "reference", "flex"), "data.kind": ("verl", "dapo_math_17k", "aime_2024"),
+    "model.attention_impl": ("auto", "reference", "flex"),
+    "model.moe_impl": ("auto", "loop", "grouped"), "data.kind": ("verl", "dapo_math_17k", "aime_2024"),
     "data.on_bad_row": ("skip", "error"), "algorithm.adv_estimator": ("grpo",),
     "algorithm.rollout_correction.rollout_is": ("token", None), "algorithm.rollout_correction.loss_type":
         ("reinforce", "ppo_clip"), "logger.wandb_mode": ("offline", "online", "disabled"),

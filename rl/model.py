@@ -12,6 +12,7 @@ Inputs are packed without padding: `input_ids [T]` with `cu_seqlens [B+1]` (left
 from dataclasses import dataclass, field
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
 from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLRMSNorm
@@ -36,6 +37,8 @@ class TrainerModelConfig:
     kv_cache_dtype: str = "auto"  # "nvfp4": K/V QDQ as the engine's NVFP4 cache stores them
     indexer_kv_dtype: str = "bf16"  # "nvfp4": index keys QDQ likewise
     attention_impl: str = "auto"  # MSA: "reference" (CPU), "flex" (GPU), "auto"
+    moe_impl: str = "auto"  # routed experts: "loop" (per expert, any device), "grouped" (Triton, CUDA bf16 NVFP4)
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward (long sequences)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def validate(self) -> None:
@@ -45,7 +48,8 @@ class TrainerModelConfig:
                                     ("profile", self.profile, ("hopper", "blackwell")),
                                     ("kv_cache_dtype", self.kv_cache_dtype, ("auto", "nvfp4")),
                                     ("indexer_kv_dtype", self.indexer_kv_dtype, ("bf16", "nvfp4")),
-                                    ("attention_impl", self.attention_impl, ("auto", "reference", "flex"))):
+                                    ("attention_impl", self.attention_impl, ("auto", "reference", "flex")),
+                                    ("moe_impl", self.moe_impl, ("auto", "loop", "grouped"))):
             if value not in allowed:
                 raise ValueError(f"model.{key}={value!r}: expected one of {list(allowed)}")
         self.lora.validate()
@@ -186,11 +190,18 @@ class MoE(nn.Module):
         self.shared_experts = MLP(base, f"model.layers.{layer}.mlp.shared_experts", f"{p}.shared_experts", cfg, lora)
         self.top_k, self.scaling = cfg.num_experts_per_tok, cfg.routed_scaling_factor
         self.alpha, self.limit, self.beta = cfg.swiglu_alpha, cfg.swiglu_limit, cfg.swiglu_beta
+        self.impl = model_cfg.moe_impl
+
+    def _use_grouped(self, x) -> bool:
+        fits = x.is_cuda and self.experts.quantized and x.dtype == torch.bfloat16
+        if self.impl == "grouped" and not fits:
+            raise ValueError("model.moe_impl='grouped' needs CUDA, bf16 and the quantized (NVFP4) base")
+        return fits and self.impl != "loop"
 
     def forward(self, x, replay_ids=None):
         logits = x.float() @ self.gate.t()  # GateLinear: fp32 weights and output
         weights, ids, own = route(logits, self.bias, self.top_k, self.scaling, replay_ids)
-        if x.is_cuda and self.experts.quantized and x.dtype == torch.bfloat16:
+        if self._use_grouped(x):
             return self._grouped(x, weights, ids) + self.shared_experts(x), own, ids
         acc = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         lora = getattr(self.experts, "lora", None)
@@ -206,7 +217,6 @@ class MoE(nn.Module):
                 y = y + lora.down(act, e)
             acc = acc.index_add(0, tok, y.float() * weights[tok, slot, None])
         return acc.to(x.dtype) + self.shared_experts(x), own, ids
-
 
     def _grouped(self, x, weights, ids):
         """GPU path: all routed experts in two grouped NVFP4 GEMMs (quant.kernels), tokens sorted by expert; LoRA
@@ -306,8 +316,12 @@ class M3ForTraining(nn.Module):
             replay_blocks = None
             if blocks is not None and i in self.sparse_layers:
                 replay_blocks = torch.as_tensor(blocks)[:, self.sparse_layers.index(i)].to(torch.int32)
-            x, residual, (own_b, (agree_b, replayed_b), own_ids, used_ids) = layer(
-                x, residual, rope, cu_seqlens, positions, replay_ids, replay_blocks)
+            args = (x, residual, rope, cu_seqlens, positions, replay_ids, replay_blocks)
+            if self.mcfg.activation_checkpointing and torch.is_grad_enabled():
+                out = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False)
+            else:
+                out = layer(*args)
+            x, residual, (own_b, (agree_b, replayed_b), own_ids, used_ids) = out
             if stats is not None and agree_b is not None:
                 stats.block_agreement[i] = agree_b
                 if replayed_b is not None:
@@ -322,8 +336,16 @@ class M3ForTraining(nn.Module):
     def token_logprobs(self, input_ids, cu_seqlens, targets, **kw) -> torch.Tensor:
         """log p(targets[t] | tokens <= t) for every packed position t, fp32 [T] (chunked over the vocab GEMM)."""
         h = self.hidden_states(input_ids, cu_seqlens, **kw)
+        recompute = self.mcfg.activation_checkpointing and torch.is_grad_enabled()
         out = []
         for c in range(0, h.shape[0], 1024):
-            logits = (h[c:c + 1024] @ self.lm_head.t()).float()
-            out.append(logits.log_softmax(-1).gather(1, targets[c:c + 1024, None])[:, 0])
+            args = (h[c:c + 1024], self.lm_head, targets[c:c + 1024])
+            # Recomputed in backward: a chunk's fp32 logits are 4 * vocab bytes per token (0.8 MB for M3)
+            out.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False) if recompute
+                       else _chunk_logprobs(*args))
         return torch.cat(out)
+
+
+def _chunk_logprobs(h: torch.Tensor, lm_head: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = (h @ lm_head.t()).float()
+    return logits.log_softmax(-1).gather(1, targets[:, None])[:, 0]

@@ -98,7 +98,8 @@ class Session:
         self.model = M3ForTraining(TrainerModelConfig(
             path=self.model_path, dtype=c.model.dtype, base=c.model.base, profile=c.model.profile,
             kv_cache_dtype=c.model.kv_cache_dtype, indexer_kv_dtype=c.model.indexer_kv_dtype,
-            attention_impl=c.model.attention_impl, lora=self.lora_cfg))
+            attention_impl=c.model.attention_impl, moe_impl=c.model.moe_impl,
+            activation_checkpointing=c.model.activation_checkpointing, lora=self.lora_cfg))
         if self.world > 1:
             from rl.fsdp import shard_model
 

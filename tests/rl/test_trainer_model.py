@@ -119,6 +119,39 @@ def test_only_lora_parameters_get_gradients(setup, rollouts):
     model.zero_grad(set_to_none=True)
 
 
+def test_activation_checkpointing_is_exact(setup, rollouts):
+    """Recomputing every decoder layer (and the logprob chunks) in backward gives the same logprobs and gradients."""
+    model = setup[1]
+    r = rollouts[LONG]
+    ids = torch.tensor(r.prompt_ids + r.token_ids)
+    results = []
+    for ckpt in (False, True):
+        model.mcfg.activation_checkpointing = ckpt
+        model.zero_grad(set_to_none=True)
+        lp = model.token_logprobs(ids[:-1], torch.tensor([0, len(ids) - 1]), ids[1:])
+        lp.sum().backward()
+        results.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    model.mcfg.activation_checkpointing = False
+    model.zero_grad(set_to_none=True)
+    (lp0, g0), (lp1, g1) = results
+    assert torch.equal(lp0, lp1) and g0.keys() == g1.keys() and g0
+    assert all(torch.equal(g0[n], g1[n]) for n in g0)
+
+
+def test_grouped_experts_need_cuda(setup):
+    from rl.model import TrainerModelConfig
+
+    with pytest.raises(ValueError, match="model.moe_impl"):
+        TrainerModelConfig(path="x", moe_impl="fast").validate()
+    moe = next(layer.mlp for layer in setup[1].model.layers if layer.is_moe)
+    moe.impl = "grouped"
+    try:
+        with pytest.raises(ValueError, match="moe_impl='grouped' needs CUDA"):
+            moe(torch.zeros(3, setup[1].config.hidden_size))
+    finally:
+        moe.impl = "auto"
+
+
 @pytest.mark.parametrize("kind,message", [
     ("routing shape", "routing replay has shape"),
     ("routing range", "outside \\[0, 8\\)"),
