@@ -8,11 +8,13 @@ What FSDP2 (`fully_shard`, torch 2.13) does with each kind of tensor of `M3ForTr
   ones, just without gradients), and cast to `param_dtype` if it differs from their dtype. `shard_model` refuses
   a policy that would change them: the forward must stay the served model's.
 - Buffers: never sharded, never cast, only moved to the mesh device. The quantized base (NVFP4 packed uint8 +
-  E4M3 scales, MXFP8 E4M3 + E8M0, fp32 global scales, the fp32 router) is all buffers (rl/quantized_base.py), so it
-  is replicated on every rank exactly as stored. That is the memory cost of this design: each rank holds the
-  whole quantized base (full MiniMax-M3: ~0.56 B/param of experts replicated per GPU), so the data-parallel
-  width buys throughput, not base memory; sharding the base needs expert parallelism or an all-gather of the packed
-  bytes (not done here).
+  E4M3 scales, MXFP8 E4M3 + E8M0, fp32 global scales, the fp32 router) is all buffers (rl/quantized_base.py), so by
+  default it is replicated on every rank exactly as stored (fine for models that fit one GPU).
+- `shard_base=True` (full-size M3: ~250 GB of NVFP4 experts) turns the base's weight tensors into frozen
+  parameters, which FSDP2 shards on dim 0 (experts / output rows) and all-gathers per layer as raw bytes, so each
+  rank holds 1/world of the base plus one or two gathered layers. Why not expert parallelism: at RL batch sizes
+  (>= 16K tokens per rank) a layer's expert GEMMs take far longer than gathering its ~4 GB of packed experts over
+  NVLink, and FSDP keeps LoRA, sharding and checkpointing identical for every module.
 - A frozen *parameter* holding packed bytes would be mishandled: torch skips the cast only for non-floating dtypes,
   and float8 counts as floating, so an E4M3 tensor would be all-gathered as bf16. `shard_model` turns every frozen
   parameter that is not bf16/fp16/fp32/fp64 into a buffer of its module before sharding.
@@ -89,10 +91,12 @@ def _mp_policy(mixed_precision: str | None):
 def frozen_params_to_buffers(model: nn.Module) -> list[str]:
     """Re-register frozen parameters of non-compute dtypes (uint8 codes, float8 values/scales) as buffers, so
     FSDP2 neither shards them nor casts them to the mixed-precision dtype. Returns their names."""
+    from torch.distributed.tensor import DTensor
+
     moved = []
     for mod_name, module in model.named_modules():
         for name, p in list(module.named_parameters(recurse=False)):
-            if p.requires_grad or p.dtype in _COMPUTE_DTYPES:
+            if p.requires_grad or p.dtype in _COMPUTE_DTYPES or isinstance(p, DTensor):  # DTensor: sharded on purpose
                 continue
             del module._parameters[name]
             module.register_buffer(name, p.detach())
@@ -100,17 +104,54 @@ def frozen_params_to_buffers(model: nn.Module) -> list[str]:
     return moved
 
 
+def base_to_params(module: nn.Module) -> list[str]:
+    """Re-register the frozen base's weight tensors (NVFP4 packed bytes and E4M3 scales of the experts, MXFP8 E4M3
+    weights and E8M0 scales, the bf16 base's weights) as frozen parameters, so `fully_shard` shards them on dim 0
+    and all-gathers them per layer (as raw bytes: FSDP2 gathers a group of mixed dtypes as uint8) instead of
+    replicating them. Only without a mixed-precision policy, which would cast float8 tensors. Returns the names."""
+    from quant.serving import MXFP8Linear
+    from rl.quantized_base import DenseLinear, ExpertWeights
+
+    moved = []
+    for mod_name, mod in module.named_modules():
+        if not isinstance(mod, (ExpertWeights, MXFP8Linear, DenseLinear)):
+            continue
+        for name, b in list(mod.named_buffers(recurse=False)):
+            if b is None or b.ndim < 2:  # per-expert global scales stay replicated buffers
+                continue
+            del mod._buffers[name]
+            mod.register_parameter(name, nn.Parameter(b, requires_grad=False))
+            moved.append(f"{mod_name}.{name}" if mod_name else name)
+    return moved
+
+
+def shard_layer(layer: nn.Module, mesh, mixed_precision: str | None = None, reshard_after_forward: bool = True,
+                shard_base: bool = False) -> nn.Module:
+    """`fully_shard` one decoder layer (see `shard_model`); with `shard_base` its frozen base is sharded too."""
+    from torch.distributed.fsdp import fully_shard
+
+    policy, _ = _mp_policy(mixed_precision)
+    if shard_base and mixed_precision is not None:
+        raise ValueError("shard_base needs mixed_precision=None: a policy would cast the float8 base tensors")
+    frozen_params_to_buffers(layer)
+    if shard_base:
+        base_to_params(layer)
+    return fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+
+
 def shard_model(model: nn.Module, mesh=None, mixed_precision: str | None = None,
-                reshard_after_forward: bool = True) -> nn.Module:
+                reshard_after_forward: bool = True, shard_base: bool = False) -> nn.Module:
     """`fully_shard` each decoder layer (`model.model.layers`), then the root (embeddings, final norm, lm_head);
     register `token_logprobs` as the root forward. In place; returns `model`.
 
     mixed_precision: None keeps every tensor's dtype (fp32 LoRA masters stay fp32 in compute); "bfloat16" etc.
     all-gathers LoRA in that dtype (what vLLM serves the adapter in) and reduces gradients in fp32. It must equal the
     dtype of the frozen float parameters, which the policy would otherwise cast too.
-    Without an initialized process group (world size 1) this is a no-op: the model stays a plain module.
+    shard_base: shard the quantized base over the ranks as well (`base_to_params`); without it every rank holds
+    the whole base. Layers already sharded (e.g. by `shard_layer` as M3ForTraining's `on_layer`) are kept.
+    Without an initialized process group (world size 1) and no mesh this is a no-op: the model stays plain.
     """
-    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 
     if mesh is None:
         if not dist.is_initialized():
@@ -125,7 +166,8 @@ def shard_model(model: nn.Module, mesh=None, mixed_precision: str | None = None,
             raise ValueError(f"mixed_precision={mixed_precision!r} would cast frozen base parameters the served "
                              f"model keeps in another dtype, e.g. {wrong[:3]}; use None or the model dtype")
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        if not isinstance(layer, FSDPModule):
+            shard_layer(layer, mesh, mixed_precision, reshard_after_forward, shard_base)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     if hasattr(model, "token_logprobs"):
         register_fsdp_forward_method(model, "token_logprobs")

@@ -267,12 +267,15 @@ class DecoderLayer(nn.Module):
 
 
 class M3ForTraining(nn.Module):
-    def __init__(self, mcfg: TrainerModelConfig):
+    def __init__(self, mcfg: TrainerModelConfig, base: BaseWeights | None = None, on_layer=None):
+        """base: the frozen weights (default: opened from mcfg.path); on_layer(layer): called on each decoder layer
+        right after it is built, e.g. to shard it before the next one exists (full-size models)."""
         super().__init__()
         mcfg.validate()
         self.mcfg = mcfg
         self.dtype = DTYPES[mcfg.dtype]
-        base = BaseWeights.open(mcfg.path, self.dtype, mcfg.base, mcfg.profile, mcfg.marlin_flush)
+        if base is None:
+            base = BaseWeights.open(mcfg.path, self.dtype, mcfg.base, mcfg.profile, mcfg.marlin_flush)
         self.raw_config = base.text_config
         self.config = cfg = MiniMaxM3VLTextConfig(
             bos_token_id=None, **{k: v for k, v in base.text_config.items() if k not in ("dtype", "bos_token_id")})
@@ -287,9 +290,14 @@ class M3ForTraining(nn.Module):
         self.model = nn.Module()
         self.model.embed_tokens = nn.Parameter(base.tensor("model.embed_tokens.weight").to(self.dtype),
                                                requires_grad=False)
-        self.model.layers = nn.ModuleList(
-            DecoderLayer(cfg, base, i, sparse if i in self.sparse_layers else None, i in self.moe_layers, mcfg)
-            for i in range(cfg.num_hidden_layers))
+        self.model.layers = nn.ModuleList()
+        for i in range(cfg.num_hidden_layers):
+            layer = DecoderLayer(cfg, base, i, sparse if i in self.sparse_layers else None, i in self.moe_layers, mcfg)
+            for name, p in layer.named_parameters():
+                p.requires_grad_(".lora" in name or "lora_" in name)
+            self.model.layers.append(layer)
+            if on_layer is not None:
+                on_layer(layer)
         self.model.norm = base.norm("model.norm", cfg.rms_norm_eps)
         self.lm_head = nn.Parameter(base.tensor("lm_head.weight").to(self.dtype), requires_grad=False)
         self.rotary = Rotary(cfg, self.dtype)

@@ -62,10 +62,14 @@ class ExpertWeights(nn.Module):
 class BaseWeights:
     """Builds the frozen modules of the trainer model from one checkpoint directory."""
 
-    def __init__(self, ckpt: QuantizedCheckpoint, dtype, base: str, profile: str, marlin_flush: bool):
+    def __init__(self, ckpt, dtype, base: str, profile: str, marlin_flush: bool, text_config: dict | None = None):
+        """ckpt: a QuantizedCheckpoint, or anything with its tensor/read/dequantized methods
+        (rl.synthetic_base.SyntheticCheckpoint); text_config defaults to the checkpoint's config.json."""
         self.ckpt, self.dtype, self.base, self.profile, self.marlin_flush = ckpt, dtype, base, profile, marlin_flush
-        cfg = json.loads((Path(ckpt.path) / "config.json").read_text())
-        self.text_config = cfg.get("text_config", cfg)
+        if text_config is None:
+            cfg = json.loads((Path(ckpt.path) / "config.json").read_text())
+            text_config = cfg.get("text_config", cfg)
+        self.text_config = text_config
 
     @classmethod
     def open(cls, path, dtype, base="quantized", profile="hopper", marlin_flush=False) -> "BaseWeights":

@@ -3,8 +3,10 @@
 Each rank takes half of a packed batch of sequences; loss = -(sum of token logprobs) / (tokens in the whole batch).
 FSDP2 averages gradients over ranks, so each rank backpropagates world_size x its share. Both ranks first run the
 single-process reference on the whole batch with an unsharded model, then shard that same model and run their half.
-Cases: bf16 and quantized bases in fp32 (tolerance 1e-5), and the production form, a bf16 model with a bf16
-all-gather of the LoRA weights (their values are bf16-representable, so only gradient rounding differs).
+Cases: bf16 and quantized bases in fp32 (tolerance 1e-5), the quantized base itself sharded over the ranks
+(`shard_base`: packed bytes gathered per layer), and the production form, a bf16 model with a bf16 all-gather of the
+LoRA weights (their values are bf16-representable, so only gradient rounding differs). Last, a model sharded layer by
+layer while it is built (M3ForTraining's `on_layer`, how full-size models are built) gives the same logprobs.
 """
 
 import json
@@ -19,11 +21,14 @@ import torch.multiprocessing as mp
 LENS = [37, 70, 25, 55, 48, 31]  # rank 0 takes the first 3 sequences, rank 1 the last 3
 WORLD = 2
 TIMEOUT_S = 150
-# name -> (base, model dtype, FSDP mixed precision); the last is the production setup: bf16 model, bf16 all-gather
-CASES = {"bf16_fp32": ("bf16", "float32", None), "quantized_fp32": ("quantized", "float32", None),
-         "quantized_bf16_mp": ("quantized", "bfloat16", "bfloat16")}
+# name -> (base, model dtype, FSDP mixed precision, shard the base); the last is the production setup: bf16 model,
+# bf16 all-gather
+CASES = {"bf16_fp32": ("bf16", "float32", None, False), "quantized_fp32": ("quantized", "float32", None, False),
+         "quantized_fp32_shard_base": ("quantized", "float32", None, True),
+         "quantized_bf16_mp": ("quantized", "bfloat16", "bfloat16", False)}
 # relative error bounds (loss, worst gradient tensor); mixed precision: bf16 gradients, reduced in fp32
-TOL = {"bf16_fp32": (1e-6, 1e-5), "quantized_fp32": (1e-6, 1e-5), "quantized_bf16_mp": (1e-5, 1e-2)}
+TOL = {"bf16_fp32": (1e-6, 1e-5), "quantized_fp32": (1e-6, 1e-5), "quantized_fp32_shard_base": (1e-6, 1e-5),
+       "quantized_bf16_mp": (1e-5, 1e-2)}
 
 
 def _free_port() -> int:
@@ -57,7 +62,7 @@ def _worker(rank, port, path, out_dir):
     total = sum(LENS)
     mine = _batch(range(rank * 3, rank * 3 + 3))
     report = {}
-    for case, (base, dtype, mixed) in CASES.items():
+    for case, (base, dtype, mixed, shard_base) in CASES.items():
         t0 = time.perf_counter()
         model = M3ForTraining(TrainerModelConfig(path=path, dtype=dtype, base=base))
         g = torch.Generator().manual_seed(0)
@@ -76,11 +81,19 @@ def _worker(rank, port, path, out_dir):
         if mixed is None:
             with pytest.raises(ValueError, match="would cast frozen base parameters"):
                 shard_model(model, mixed_precision="bfloat16")  # fp32 norms/embeddings
-        shard_model(model, mixed_precision=mixed)
+        shard_model(model, mixed_precision=mixed, shard_base=shard_base)
         lora = [p for n, p in model.named_parameters() if p.requires_grad]
         assert lora and all(isinstance(p, DTensor) for p in model.parameters())
-        assert {n: b.dtype for n, b in model.named_buffers()} == frozen  # packed codes: not cast, not sharded
         assert not any(isinstance(b, DTensor) for b in model.buffers())
+        stored = {n: b.dtype for n, b in model.named_buffers()} | {n: p.dtype for n, p in model.named_parameters()
+                                                                   if n in frozen}
+        assert stored == frozen  # packed codes never cast
+        if shard_base:  # every packed weight and scale is a sharded parameter now (global scales stay buffers)
+            packed = (torch.uint8, torch.float8_e4m3fn)
+            assert not any(b.dtype in packed for b in model.buffers())
+            assert any(p.dtype == torch.uint8 for p in model.parameters())
+        else:
+            assert {n: b.dtype for n, b in model.named_buffers()} == frozen  # not sharded
 
         local_sum = model.token_logprobs(*mine).sum()
         (-local_sum / total * WORLD).backward()  # FSDP2 divides the reduced gradients by the world size
@@ -104,6 +117,17 @@ def _worker(rank, port, path, out_dir):
                                               if p.requires_grad and n not in ref_grads)[:2],
                             "seconds": round(time.perf_counter() - t0, 1)}
         del model
+    # Built and sharded layer by layer (base included), LoRA B = 0 as initialized: the same logprobs as a plain model.
+    from rl.fsdp import default_mesh, shard_layer
+
+    plain = M3ForTraining(TrainerModelConfig(path=path, dtype="float32")).token_logprobs(*mine).detach()
+    mesh = default_mesh()
+    model = M3ForTraining(TrainerModelConfig(path=path, dtype="float32"),
+                          on_layer=lambda layer: shard_layer(layer, mesh, shard_base=True))
+    shard_model(model, mesh=mesh, shard_base=True)
+    with torch.no_grad():
+        built = model.token_logprobs(*mine)
+    report["built_sharded_max_abs"] = float((built - plain).abs().max()) if rank == 0 else None
     if rank == 0:
         with open(os.path.join(out_dir, "report.json"), "w") as f:
             json.dump(report, f)
@@ -130,6 +154,7 @@ def test_fsdp2_two_gloo_ranks_match_one_process(tmp_path):
     _run_ranks(_free_port(), path, str(tmp_path))
     report = json.loads((tmp_path / "report.json").read_text())
     print(json.dumps(report, indent=1))
+    assert report.pop("built_sharded_max_abs") <= 1e-6
     assert set(report) == set(CASES)
     for base, r in report.items():
         assert r["fsdp_loss"] == pytest.approx(r["ref_loss"], rel=TOL[base][0], abs=0), base
