@@ -37,7 +37,7 @@ class TrainerModelConfig:
     kv_cache_dtype: str = "auto"  # "nvfp4": K/V QDQ as the engine's NVFP4 cache stores them
     indexer_kv_dtype: str = "bf16"  # "nvfp4": index keys QDQ likewise
     attention_impl: str = "auto"  # MSA: "reference" (CPU), "flex" (GPU), "auto"
-    moe_impl: str = "auto"  # routed experts: "loop" (per expert, any device), "grouped" (Triton, CUDA bf16 NVFP4)
+    moe_impl: str = "auto"  # routed experts: "loop" (per expert), "grouped" (CUDA bf16: Triton NVFP4 / _grouped_mm)
     activation_checkpointing: bool = False  # recompute each decoder layer in backward (long sequences)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
@@ -190,12 +190,12 @@ class MoE(nn.Module):
         self.shared_experts = MLP(base, f"model.layers.{layer}.mlp.shared_experts", f"{p}.shared_experts", cfg, lora)
         self.top_k, self.scaling = cfg.num_experts_per_tok, cfg.routed_scaling_factor
         self.alpha, self.limit, self.beta = cfg.swiglu_alpha, cfg.swiglu_limit, cfg.swiglu_beta
-        self.impl = model_cfg.moe_impl
+        self.impl, self.num_experts = model_cfg.moe_impl, cfg.num_local_experts
 
     def _use_grouped(self, x) -> bool:
-        fits = x.is_cuda and self.experts.quantized and x.dtype == torch.bfloat16
+        fits = x.is_cuda and x.dtype == torch.bfloat16
         if self.impl == "grouped" and not fits:
-            raise ValueError("model.moe_impl='grouped' needs CUDA, bf16 and the quantized (NVFP4) base")
+            raise ValueError("model.moe_impl='grouped' needs CUDA and bf16")
         return fits and self.impl != "loop"
 
     def forward(self, x, replay_ids=None):
@@ -219,21 +219,29 @@ class MoE(nn.Module):
         return acc.to(x.dtype) + self.shared_experts(x), own, ids
 
     def _grouped(self, x, weights, ids):
-        """GPU path: all routed experts in two grouped NVFP4 GEMMs (quant.kernels), tokens sorted by expert; LoRA
-        per expert on its contiguous rows. Same serving form as the per-expert loop."""
+        """GPU path: all routed experts in two grouped GEMMs, tokens sorted by expert: NVFP4 (quant.kernels, the
+        same serving form as the per-expert loop) or, for the bf16 base, torch._grouped_mm. LoRA per expert on its
+        contiguous rows."""
         from quant.kernels import nvfp4_moe_linear, sort_by_expert
 
         e = self.experts
-        order, offsets = sort_by_expert(ids, e.w13_gs.numel())
+        order, offsets = sort_by_expert(ids, self.num_experts)
         tok = order // self.top_k
         xs = x[tok]
-        gate_up = nvfp4_moe_linear(xs, e.w13_packed, e.w13_scale, e.w13_gs, offsets)
+        if e.quantized:
+            def linear(inp, name):
+                return nvfp4_moe_linear(inp, getattr(e, f"{name}_packed"), getattr(e, f"{name}_scale"),
+                                        getattr(e, f"{name}_gs"), offsets)
+        else:
+            def linear(inp, name):
+                return torch._grouped_mm(inp, getattr(e, name).transpose(1, 2), offs=offsets[1:])
+        gate_up = linear(xs, "w13")
         lora = getattr(e, "lora", None)
         bounds = offsets.tolist()
         if lora is not None:
             gate_up = gate_up + torch.cat([lora.gate_up(xs[a:b], i) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))])
         act = swigluoai_uninterleave(gate_up, self.alpha, self.limit, self.beta)
-        y = nvfp4_moe_linear(act, e.w2_packed, e.w2_scale, e.w2_gs, offsets)
+        y = linear(act, "w2")
         if lora is not None:
             y = y + torch.cat([lora.down(act[a:b], i) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))])
         w = weights.reshape(-1)[order]

@@ -1,8 +1,9 @@
 """The trainer on the H200 (marker `gpu`): the grouped NVFP4 expert kernels and FlexAttention MSA give the same
 token logprobs and LoRA gradients as the reference paths, on the quantized tiny M3 in bf16.
 
-Three runs of one batch: the CPU reference, the GPU with the reference paths (`attention_impl=reference`,
-`moe_impl=loop`), the GPU fast paths (`auto`), and the fast paths again with activation checkpointing. Every
+Runs of one batch: the CPU reference, the GPU with the reference paths (`attention_impl=reference`,
+`moe_impl=loop`), the GPU fast paths (`auto`), the fast paths again with activation checkpointing, and the bf16 base
+with its experts per expert vs in torch._grouped_mm. Every
 comparison is computed before any assertion and printed as one JSON line (and written to $M3RL_GPU_REPORT when
 set), so a failure on the device shows all numbers, not the first mismatch.
 """
@@ -20,6 +21,8 @@ RUNS = {  # name -> (device, model config overrides)
     "gpu_reference": ("cuda", {"attention_impl": "reference", "moe_impl": "loop"}),
     "gpu_fast": ("cuda", {}),
     "gpu_fast_ckpt": ("cuda", {"activation_checkpointing": True}),
+    "gpu_bf16_loop": ("cuda", {"base": "bf16", "moe_impl": "loop"}),  # the bf16 base: torch._grouped_mm path
+    "gpu_bf16_grouped": ("cuda", {"base": "bf16", "moe_impl": "grouped"}),
 }
 
 
@@ -65,12 +68,13 @@ def test_gpu_fast_paths_match_reference(tmp_path):
     out = {}
     for name, (dev, overrides) in RUNS.items():
         if dev == "cuda" and device == "cpu":
-            overrides = {k: v for k, v in overrides.items() if k == "activation_checkpointing"}
+            overrides = {k: v for k, v in overrides.items() if k in ("activation_checkpointing", "base")}
         out[name] = _run(str(tmp_path / "q"), device if dev == "cuda" else "cpu", overrides, ids, cu)
     report = {"fast_vs_gpu_reference": _compare(out["gpu_reference"], out["gpu_fast"]),
               "gpu_reference_vs_cpu": _compare(out["cpu_reference"], out["gpu_reference"]),
               "fast_vs_cpu": _compare(out["cpu_reference"], out["gpu_fast"]),
-              "ckpt_vs_fast": _compare(out["gpu_fast"], out["gpu_fast_ckpt"])}
+              "ckpt_vs_fast": _compare(out["gpu_fast"], out["gpu_fast_ckpt"]),
+              "bf16_grouped_vs_loop": _compare(out["gpu_bf16_loop"], out["gpu_bf16_grouped"])}
     print(json.dumps(report))
     if os.environ.get("M3RL_GPU_REPORT"):
         with open(os.environ["M3RL_GPU_REPORT"], "w") as f:
