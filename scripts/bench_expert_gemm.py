@@ -112,6 +112,13 @@ def main():
             if args.variants and t in (64, 32768):
                 cases.append(("fwd", "nvfp4[triton decoder]", None, "triton"))
                 cases.append(("dgrad", "nvfp4[triton decoder]", None, "triton"))
+            if args.variants and t <= 512:  # few rows per expert: bound by decoding the weights
+                for label, cfg in (("BN=64", dict(BN=64, num_warps=4)), ("BN=256,8w", dict(BN=256, num_warps=8)),
+                                   ("BK=256", dict(BK=256, num_stages=3)), ("stages=2", dict(num_stages=2)),
+                                   ("stages=6", dict(num_stages=6)), ("8 warps", dict(num_warps=8))):
+                    cases.append(("fwd", f"nvfp4[{label}]", cfg, None))
+                cases.append(("dgrad", "nvfp4[dgrad BN=64]", dict(BN=64), None))
+                cases.append(("dgrad", "nvfp4[dgrad BK=64]", dict(BK=64), None))
             if args.variants and t >= 4096:
                 cases.append(("fwd", "nvfp4[BM=256]", dict(BM=256, BN=128, BK=128, num_warps=8, num_stages=3), None))
                 cases.append(("fwd", "nvfp4[BK=64,4st]", dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4), None))
