@@ -13,7 +13,7 @@ run kernel_variants 60 $P tests/quant/test_kernels_gpu.py -k variants
 run expert_small 60 python3 scripts/bench_expert_gemm.py --tokens 64,512 --variants --rep-ms 40 --out "$OUT/expert_small.json"
 for base in quantized bf16; do
   run "slice_$base" 150 torchrun --nproc-per-node 1 scripts/train_step_m3.py --layers 2 --seq-len 16384 \
-      --seqs-per-rank 8 --steps 2 --base "$base" --out "$OUT/slice_$base.json"
+      --seqs-per-rank 8 --steps 2 --base "$base"
 done
 grep -h -E "passed|failed|Error|error" "$OUT"/*.log | grep -v DEBUG | tail -n 20
 cat "$OUT/summary.log"
