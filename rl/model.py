@@ -36,7 +36,7 @@ class TrainerModelConfig:
     marlin_flush: bool = False  # zero subnormal NVFP4 block scales as vLLM's Marlin (GPU + LoRA) does
     kv_cache_dtype: str = "auto"  # "nvfp4": K/V QDQ as the engine's NVFP4 cache stores them
     indexer_kv_dtype: str = "bf16"  # "nvfp4": index keys QDQ likewise
-    attention_impl: str = "auto"  # MSA: "reference" (CPU), "flex" (GPU), "auto"
+    attention_impl: str = "auto"  # MSA: "reference" (CPU), "triton" / "flex" (GPU), "auto"
     moe_impl: str = "auto"  # routed experts: "loop" (per expert), "grouped" (CUDA bf16: Triton NVFP4 / _grouped_mm)
     activation_checkpointing: bool = False  # recompute each decoder layer in backward (long sequences)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
@@ -48,7 +48,7 @@ class TrainerModelConfig:
                                     ("profile", self.profile, ("hopper", "blackwell")),
                                     ("kv_cache_dtype", self.kv_cache_dtype, ("auto", "nvfp4")),
                                     ("indexer_kv_dtype", self.indexer_kv_dtype, ("bf16", "nvfp4")),
-                                    ("attention_impl", self.attention_impl, ("auto", "reference", "flex")),
+                                    ("attention_impl", self.attention_impl, ("auto", "reference", "triton", "flex")),
                                     ("moe_impl", self.moe_impl, ("auto", "loop", "grouped"))):
             if value not in allowed:
                 raise ValueError(f"model.{key}={value!r}: expected one of {list(allowed)}")
@@ -63,6 +63,9 @@ class ForwardStats:
     block_agreement: dict[int, float] = field(default_factory=dict)  # sparse layer -> own blocks == used
     routing_replayed: dict[int, float] = field(default_factory=dict)  # MoE layer -> used == engine's
     blocks_replayed: dict[int, float] = field(default_factory=dict)  # sparse layer -> used == engine's
+    keep_choices: bool = False  # also keep the discrete choices used, per layer (see M3ForTraining.replay_arrays)
+    expert_ids: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE layer -> [T, top_k]
+    block_ids: dict[int, torch.Tensor] = field(default_factory=dict)  # sparse layer -> [T, kv heads, topk]
 
 
 def _norm(norm: MiniMaxM3VLRMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -346,8 +349,27 @@ class M3ForTraining(nn.Module):
                 stats.routing_agreement[i] = routing_agreement(own_ids, used_ids)
                 if replay_ids is not None:
                     stats.routing_replayed[i] = routing_agreement(used_ids, replay_ids)
+            if stats is not None and stats.keep_choices:
+                if used_ids is not None:
+                    stats.expert_ids[i] = used_ids.detach()
+                if own_b is not None:
+                    stats.block_ids[i] = (replay_blocks if replay_blocks is not None else own_b).detach()
         x, _ = fused_add_norm(self.model.norm, x, residual)
         return x
+
+    def replay_arrays(self, stats: ForwardStats) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The choices a forward with `stats.keep_choices` used, in the engine's capture layout (rollout.capture):
+        routing [T, layers, top_k] (dense layers hold DENSE_LAYER) and blocks [T, sparse layers, kv heads, topk],
+        to replay them in another forward (e.g. on another device)."""
+        from rollout.capture import DENSE_LAYER
+
+        any_ids = next(iter(stats.expert_ids.values()))
+        routing = torch.full((any_ids.shape[0], len(self.model.layers), any_ids.shape[1]),
+                             DENSE_LAYER(self.num_experts), dtype=torch.long)
+        for i, ids in stats.expert_ids.items():
+            routing[:, i] = ids.cpu()
+        blocks = torch.stack([stats.block_ids[i].cpu() for i in self.sparse_layers], 1) if self.sparse_layers else None
+        return routing, blocks
 
     def token_logprobs(self, input_ids, cu_seqlens, targets, **kw) -> torch.Tensor:
         """log p(targets[t] | tokens <= t) for every packed position t, fp32 [T] (chunked over the vocab GEMM)."""

@@ -196,8 +196,9 @@ def sparse_attention(
 
     q [T, Hq, D]; k, v [T, Hkv, D]; block_ids [T, Hkv, topk] per-sequence block ids (-1 = empty);
     scale defaults to D**-0.5. Query head h reads KV head h // (Hq // Hkv) and that head's blocks.
-    impl: "reference" (chunked dense masked attention, exact, any device), "flex" (FlexAttention with a
-    BlockMask, CUDA; forward only on CPU), "auto" (flex on CUDA, reference elsewhere).
+    impl: "reference" (chunked dense masked attention, exact, any device), "triton" (rl.msa_triton: per-token
+    block-sparse kernels, CUDA), "flex" (FlexAttention with a BlockMask, CUDA; forward only on CPU), "auto" (triton
+    on CUDA, reference elsewhere).
     Returns [T, Hq, D] in q's dtype.
     """
     t_count, hq, dim = q.shape
@@ -208,12 +209,16 @@ def sparse_attention(
         validate_block_ids(block_ids, cu_seqlens, num_heads=k.shape[1])
     scale = dim ** -0.5 if scale is None else scale
     if impl == "auto":
-        impl = "flex" if q.is_cuda else "reference"
+        impl = "triton" if q.is_cuda else "reference"
     if impl == "reference":
         return _reference_attention(q, k, v, block_ids, cu_seqlens, scale, chunk_size)
+    if impl == "triton":
+        from rl import msa_triton
+
+        return msa_triton.sparse_attention(q, k, v, block_ids, cu_seqlens, scale)
     if impl == "flex":
         return _flex_attention(q, k, v, block_ids, cu_seqlens, scale, kernel_options)
-    raise ValueError(f"impl must be 'reference', 'flex' or 'auto', got {impl!r}")
+    raise ValueError(f"impl must be 'reference', 'triton', 'flex' or 'auto', got {impl!r}")
 
 
 def _reference_attention(q, k, v, block_ids, cu_seqlens, scale, chunk_size):

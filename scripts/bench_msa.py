@@ -5,9 +5,11 @@
 
 Each case reports the median (and min/max) over --repeats timed runs after --warmup runs, with CUDA events:
 - select: `select_blocks` (no grad), index heads = KV heads, top-k of the visible blocks;
-- msa_fwd / msa_fwd_bwd: `sparse_attention` (block mask built inside, validation off), backward w.r.t. q, k, v;
+- msa_fwd / msa_fwd_bwd: `sparse_attention` (its index tables / block mask built inside, validation off), backward
+  w.r.t. q, k, v; --impl triton (rl.msa_triton, the default), flex or reference;
 - sdpa_fwd / sdpa_fwd_bwd: `scaled_dot_product_attention(is_causal=True, enable_gqa=True)` on the same q, k, v;
-- tiles: KV tiles listed per Q tile in the BlockMask (the union of the 128 queries' selections; top-k is the floor);
+- tiles (flex): KV tiles listed per Q tile in the BlockMask (the union of the 128 queries' selections; top-k is the
+  floor); union (triton): key blocks each group of tokens visits (union of its tokens' selections);
 - peak memory of the MSA and SDPA fwd+bwd.
 Index q/k are built so neighbouring queries mostly agree (a per-64-token topic plus noise), like real text; fully
 random ones would make every Q tile's union approach the whole prefix.
@@ -27,6 +29,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from rl import msa  # noqa: E402
 
+BLOCK_KEYS = msa.BLOCK
+
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -40,7 +44,7 @@ def parse_args():
     p.add_argument("--init-blocks", type=int, default=0)
     p.add_argument("--local-blocks", type=int, default=1)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    p.add_argument("--impl", default="flex", choices=["flex", "reference"])
+    p.add_argument("--impl", default="triton", choices=["triton", "flex", "reference"])
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--no-sdpa", action="store_true", help="skip the dense baseline")
@@ -110,6 +114,20 @@ def bench_length(total, args, device, dtype, gen):
                         "full_fraction": (block_mask.full_kv_num_blocks.sum() / listed.sum()).item(),
                         "topk": args.topk}
         row["block_mask"] = timed(lambda: msa.build_block_mask(ids, cu), args.warmup, args.repeats, device)
+
+    if args.impl == "triton":
+        from rl import msa_triton
+
+        plan = msa_triton.build_plan(ids, cu, max(1, min(8, 64 // (args.hq // args.hkv))))
+        row["union"] = {"mean_per_group": plan.count.float().mean().item(), "max_per_group": int(plan.count.max()),
+                        "tokens_per_group": plan.tokens_per_group, "topk": args.topk,
+                        "dkdv_programs": plan.chunk_kb.numel()}
+        row["plan"] = timed(lambda: msa_triton.build_plan(ids, cu, plan.tokens_per_group), args.warmup, args.repeats,
+                            device)
+        # QK^T and PV over 128-key blocks: selected (at most topk per query) vs visited (the group's union)
+        per_block = 4 * total * args.hq * args.dim * BLOCK_KEYS / 1e12
+        row["tflop_fwd_selected_max"] = per_block * args.topk
+        row["tflop_fwd_computed"] = per_block * row["union"]["mean_per_group"]
 
     def msa_fwd():
         with torch.no_grad():

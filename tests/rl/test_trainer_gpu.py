@@ -1,11 +1,11 @@
-"""The trainer on the H200 (marker `gpu`): the grouped NVFP4 expert kernels and FlexAttention MSA give the same
-token logprobs and LoRA gradients as the reference paths, on the quantized tiny M3 in bf16.
+"""The trainer on the H200 (marker `gpu`): the GPU fast paths (grouped NVFP4 expert kernels, the Triton MSA kernels)
+give the same token logprobs and LoRA gradients as the reference paths, on the quantized tiny M3 in bf16.
 
 Runs of one batch: the CPU reference, the GPU with the reference paths (`attention_impl=reference`,
-`moe_impl=loop`), the GPU fast paths (`auto`), the fast paths again with activation checkpointing, and the bf16 base
-with its experts per expert vs in torch._grouped_mm. Every
-comparison is computed before any assertion and printed as one JSON line (and written to $M3RL_GPU_REPORT when
-set), so a failure on the device shows all numbers, not the first mismatch.
+`moe_impl=loop`), the GPU fast paths (`auto`), FlexAttention, the fast paths with activation checkpointing, and the
+bf16 base with its experts per expert vs in torch._grouped_mm. Every run after the first replays the CPU run's expert
+and MSA block choices. Every comparison is computed before any assertion and printed as one JSON line (and written
+to $M3RL_GPU_REPORT when set), so a failure on the device shows all numbers, not the first mismatch.
 """
 
 import json
@@ -20,15 +20,19 @@ RUNS = {  # name -> (device, model config overrides)
     "cpu_reference": ("cpu", {}),
     "gpu_reference": ("cuda", {"attention_impl": "reference", "moe_impl": "loop"}),
     "gpu_fast": ("cuda", {}),
+    "gpu_flex": ("cuda", {"attention_impl": "flex"}),
     "gpu_fast_ckpt": ("cuda", {"activation_checkpointing": True}),
     "gpu_bf16_loop": ("cuda", {"base": "bf16", "moe_impl": "loop"}),  # the bf16 base: torch._grouped_mm path
     "gpu_bf16_grouped": ("cuda", {"base": "bf16", "moe_impl": "grouped"}),
 }
 
 
-def _run(path, device, overrides, ids, cu):
+def _run(path, device, overrides, ids, cu, replay=None):
+    """(logprobs, LoRA grads, the routing/blocks used). replay: routing and blocks to use (all runs but the first
+    replay the CPU reference's: in bf16 a near-tie in a router or an MSA block score flips between devices, which
+    moves a token's logprob by whole nats; replay is how the trainer removes exactly that against the engine)."""
     from rl.lora import lora_parameters
-    from rl.model import M3ForTraining, TrainerModelConfig
+    from rl.model import ForwardStats, M3ForTraining, TrainerModelConfig
 
     model = M3ForTraining(TrainerModelConfig(path=path, dtype="bfloat16", **overrides))
     gen = torch.Generator().manual_seed(1)
@@ -36,15 +40,18 @@ def _run(path, device, overrides, ids, cu):
         for p in lora_parameters(model):
             p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
     model.to(device)
-    lp = model.token_logprobs(ids.to(device), cu.to(device), ids.roll(-1).to(device))
+    stats = ForwardStats(keep_choices=True)
+    routing, blocks = replay or (None, None)
+    lp = model.token_logprobs(ids.to(device), cu.to(device), ids.roll(-1).to(device), stats=stats,
+                              routing=routing, blocks=blocks)
     lp.sum().backward()
     grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters()
              if p.requires_grad and p.grad is not None}
-    return lp.detach().cpu(), grads
+    return lp.detach().cpu(), grads, model.replay_arrays(stats)
 
 
 def _compare(a, b):
-    (lp_a, g_a), (lp_b, g_b) = a, b
+    (lp_a, g_a, _), (lp_b, g_b, _) = a, b
     d = (lp_a - lp_b).abs()
     cos = {n: float(torch.nn.functional.cosine_similarity(g_a[n].flatten(), g_b[n].flatten(), dim=0))
            for n in g_a if n in g_b}
@@ -69,10 +76,13 @@ def test_gpu_fast_paths_match_reference(tmp_path):
     for name, (dev, overrides) in RUNS.items():
         if dev == "cuda" and device == "cpu":
             overrides = {k: v for k, v in overrides.items() if k in ("activation_checkpointing", "base")}
-        out[name] = _run(str(tmp_path / "q"), device if dev == "cuda" else "cpu", overrides, ids, cu)
+            overrides.setdefault("attention_impl", "reference")  # flex has no CPU backward
+        replay = out["cpu_reference"][2] if out else None
+        out[name] = _run(str(tmp_path / "q"), device if dev == "cuda" else "cpu", overrides, ids, cu, replay)
     report = {"fast_vs_gpu_reference": _compare(out["gpu_reference"], out["gpu_fast"]),
               "gpu_reference_vs_cpu": _compare(out["cpu_reference"], out["gpu_reference"]),
               "fast_vs_cpu": _compare(out["cpu_reference"], out["gpu_fast"]),
+              "flex_vs_gpu_reference": _compare(out["gpu_reference"], out["gpu_flex"]),
               "ckpt_vs_fast": _compare(out["gpu_fast"], out["gpu_fast_ckpt"]),
               "bf16_grouped_vs_loop": _compare(out["gpu_bf16_loop"], out["gpu_bf16_grouped"])}
     print(json.dumps(report))
