@@ -81,12 +81,18 @@ class OptimCfg:
 
 
 @dataclass
+class FSDPCfg:  # under torchrun (world size > 1); see rl/fsdp.py
+    shard_base: bool = False  # also shard the frozen quantized base (needed when it does not fit one GPU: full M3)
+
+
+@dataclass
 class ActorCfg:
     ppo_epochs: int = 1
     ppo_mini_batch_size: int | None = None  # None = data.train_batch_size: one optimizer step per batch
     routing_replay: bool = True
     block_replay: bool = False
     optim: OptimCfg = field(default_factory=OptimCfg)
+    fsdp_config: FSDPCfg = field(default_factory=FSDPCfg)
 
 
 @dataclass

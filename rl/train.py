@@ -95,15 +95,19 @@ class Session:
 
         c = self.cfg
         self.lora_cfg = LoRAConfig(**OmegaConf.to_container(c.model.lora))
+        on_layer = None
+        if self.world > 1:  # shard each layer as soon as it is built: a full-size base never exists unsharded
+            from rl.fsdp import default_mesh, shard_layer, shard_model
+
+            mesh, shard_base = default_mesh(), c.actor.fsdp_config.shard_base
+            on_layer = lambda layer: shard_layer(layer, mesh, shard_base=shard_base)  # noqa: E731
         self.model = M3ForTraining(TrainerModelConfig(
             path=self.model_path, dtype=c.model.dtype, base=c.model.base, profile=c.model.profile,
             kv_cache_dtype=c.model.kv_cache_dtype, indexer_kv_dtype=c.model.indexer_kv_dtype,
             attention_impl=c.model.attention_impl, moe_impl=c.model.moe_impl,
-            activation_checkpointing=c.model.activation_checkpointing, lora=self.lora_cfg))
+            activation_checkpointing=c.model.activation_checkpointing, lora=self.lora_cfg), on_layer=on_layer)
         if self.world > 1:
-            from rl.fsdp import shard_model
-
-            shard_model(self.model)
+            shard_model(self.model, mesh=mesh, shard_base=shard_base)
         self.params = lora_parameters(self.model)
         o = c.actor.optim
         self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)

@@ -1,5 +1,6 @@
-"""rl.train under torchrun with 2 CPU processes (gloo): FSDP2-sharded LoRA, one engine per rank serving its share
-of the prompts, and after every step both ranks' engines hold byte-identical adapters (same checksum)."""
+"""rl.train under torchrun with 2 CPU processes (gloo): FSDP2-sharded LoRA and base (actor.fsdp_config.shard_base),
+one engine per rank serving its share of the prompts, and after every step both ranks' engines hold byte-identical
+adapters (same checksum)."""
 
 import json
 import os
@@ -24,7 +25,8 @@ def test_two_process_run_keeps_identical_adapters_on_both_ranks(tmp_path):
     model_dir = ensure_tiny_model(dtype="float32").vllm
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), "-m", "rl.train",
-           *fast_overrides(tmp_path / "run", model_dir), "data.train_batch_size=4"]
+           *fast_overrides(tmp_path / "run", model_dir), "data.train_batch_size=4",
+           "actor.fsdp_config.shard_base=true"]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
