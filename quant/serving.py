@@ -348,5 +348,7 @@ class MXFP8Linear(torch.nn.Module):
         if x.is_cuda and self.profile == "hopper" and self.dtype == torch.bfloat16:
             from quant.kernels.mxfp8_linear import mxfp8_linear as hopper_kernels  # same form, Triton dequantize
 
-            return hopper_kernels(x, self.weight, self.scale, self.bias)
-        return mxfp8_linear(x, self.weight, self.scale, self.profile, bias=self.bias, dtype=self.dtype)
+            return hopper_kernels(x, self.weight, self.scale.view(torch.uint8), self.bias)
+        # .view: the E8M0 bytes may be held in a 1-byte float container (FSDP2 sharding, rl/fsdp.py)
+        return mxfp8_linear(x, self.weight, self.scale.view(torch.uint8), self.profile, bias=self.bias,
+                            dtype=self.dtype)

@@ -104,6 +104,21 @@ def frozen_params_to_buffers(model: nn.Module) -> list[str]:
     return moved
 
 
+# FSDP2 in torch 2.11 builds each sharded parameter as nn.Parameter(shard) (requires_grad=True) before restoring
+# the flag, which integer dtypes refuse; packed uint8 bytes (NVFP4 codes, E8M0 scales) therefore travel as this
+# 1-byte float dtype, bit for bit, never computed with: the modules view them back to uint8 at use.
+BYTE_CONTAINER = torch.float8_e4m3fn
+
+
+def _keep_requires_grad(module: nn.Module, shard):
+    """Run `shard(module)` and restore every parameter's requires_grad afterwards (FSDP2 re-creates them)."""
+    flags = {n: p.requires_grad for n, p in module.named_parameters()}
+    out = shard(module)
+    for n, p in module.named_parameters():
+        p.requires_grad_(flags.get(n, p.requires_grad))
+    return out
+
+
 def base_to_params(module: nn.Module) -> list[str]:
     """Re-register the frozen base's weight tensors (NVFP4 packed bytes and E4M3 scales of the experts, MXFP8 E4M3
     weights and E8M0 scales, the bf16 base's weights) as frozen parameters, so `fully_shard` shards them on dim 0
@@ -119,6 +134,8 @@ def base_to_params(module: nn.Module) -> list[str]:
         for name, b in list(mod.named_buffers(recurse=False)):
             if b is None or b.ndim < 2:  # per-expert global scales stay replicated buffers
                 continue
+            if b.dtype == torch.uint8:  # bit-for-bit view; the modules view it back (see BYTE_CONTAINER)
+                b = b.view(BYTE_CONTAINER)
             del mod._buffers[name]
             mod.register_parameter(name, nn.Parameter(b, requires_grad=False))
             moved.append(f"{mod_name}.{name}" if mod_name else name)
@@ -136,7 +153,8 @@ def shard_layer(layer: nn.Module, mesh, mixed_precision: str | None = None, resh
     frozen_params_to_buffers(layer)
     if shard_base:
         base_to_params(layer)
-    return fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    return _keep_requires_grad(layer, lambda m: fully_shard(m, mesh=mesh, mp_policy=policy,
+                                                            reshard_after_forward=reshard_after_forward))
 
 
 def shard_model(model: nn.Module, mesh=None, mixed_precision: str | None = None,
@@ -168,7 +186,7 @@ def shard_model(model: nn.Module, mesh=None, mixed_precision: str | None = None,
     for layer in model.model.layers:
         if not isinstance(layer, FSDPModule):
             shard_layer(layer, mesh, mixed_precision, reshard_after_forward, shard_base)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    _keep_requires_grad(model, lambda m: fully_shard(m, mesh=mesh, mp_policy=policy))
     if hasattr(model, "token_logprobs"):
         register_fsdp_forward_method(model, "token_logprobs")
     return model

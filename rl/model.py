@@ -233,7 +233,7 @@ class MoE(nn.Module):
         xs = x[tok]
         if e.quantized:
             def linear(inp, name):
-                return nvfp4_moe_linear(inp, getattr(e, f"{name}_packed"), getattr(e, f"{name}_scale"),
+                return nvfp4_moe_linear(inp, e.packed(name), getattr(e, f"{name}_scale"),
                                         getattr(e, f"{name}_gs"), offsets)
         else:
             def linear(inp, name):
@@ -327,14 +327,15 @@ class M3ForTraining(nn.Module):
             validate_replay(torch.as_tensor(routing), len(input_ids), len(self.model.layers),
                             self.config.num_experts_per_tok,
                             self.num_experts, self.moe_layers, DENSE_LAYER(self.num_experts))
-            routing = torch.as_tensor(routing).long()
+            routing = torch.as_tensor(routing).long().to(input_ids.device)
         rope = (self.rotary.cos_sin(positions), self.rotary.rotary_dim)
         x, residual = self.model.embed_tokens[input_ids], None
         for i, layer in enumerate(self.model.layers):
             replay_ids = routing[:, i] if routing is not None and i in self.moe_layers else None
             replay_blocks = None
             if blocks is not None and i in self.sparse_layers:
-                replay_blocks = torch.as_tensor(blocks)[:, self.sparse_layers.index(i)].to(torch.int32)
+                replay_blocks = torch.as_tensor(blocks)[:, self.sparse_layers.index(i)].to(input_ids.device,
+                                                                                           torch.int32)
             args = (x, residual, rope, cu_seqlens, positions, replay_ids, replay_blocks)
             if self.mcfg.activation_checkpointing and torch.is_grad_enabled():
                 out = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False)

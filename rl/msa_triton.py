@@ -256,7 +256,7 @@ def _consts(q, k, plan, block_ids):
 
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: Plan, scale: float, num_warps: int):  # noqa: D102
+    def forward(ctx, q, k, v, plan: Plan, scale: float, launch: tuple[int, int]):  # noqa: D102
         triton, fwd, _, _ = _kernels()
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         t_count = q.shape[0]
@@ -266,9 +266,9 @@ class _SparseAttention(torch.autograd.Function):
         ng, _, width = plan.union.shape
         if t_count:
             fwd[(ng, c["HKV"])](q, k, v, o, lse, plan.gids, plan.kstart, plan.union, plan.count, t_count, width,
-                                scale, **c, num_warps=num_warps)
+                                scale, **c, num_warps=launch[0], num_stages=launch[1])
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.plan, ctx.scale, ctx.num_warps = plan, scale, num_warps
+        ctx.plan, ctx.scale, ctx.launch = plan, scale, launch
         return o
 
     @staticmethod
@@ -286,18 +286,22 @@ class _SparseAttention(torch.autograd.Function):
         ng, _, width = plan.union.shape
         if t_count:
             dq_kernel[(ng, c["HKV"])](q, k, v, do, lse, delta, dq, plan.gids, plan.kstart, plan.union, plan.count,
-                                      t_count, width, scale, **c, num_warps=ctx.num_warps)
+                                      t_count, width, scale, **c, num_warps=ctx.launch[0],
+                                      num_stages=ctx.launch[1])
             if plan.chunk_kb.numel():
                 dkdv_kernel[(plan.chunk_kb.numel(),)](
                     q, k, v, do, lse, delta, dk, dv, plan.gids, plan.kstart, plan.chunk_kb, plan.chunk_h,
-                    plan.chunk_lo, plan.chunk_hi, plan.visit_groups, t_count, scale, **c, num_warps=ctx.num_warps)
+                    plan.chunk_lo, plan.chunk_hi, plan.visit_groups, t_count, scale, **c, num_warps=ctx.launch[0],
+                    num_stages=ctx.launch[1])
         return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def sparse_attention(q, k, v, block_ids, cu_seqlens, scale: float, tokens_per_group: int | None = None,
-                     num_warps: int = 4) -> torch.Tensor:
+                     num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
     """`rl.msa.sparse_attention` semantics (validated ids expected); differentiable in q, k, v."""
     g = q.shape[1] // k.shape[1]
     tt = tokens_per_group or max(1, min(8, 64 // g))  # 64-row tiles: 4 tokens x 16 heads for M3
     plan = build_plan(block_ids, cu_seqlens, tt)
-    return _SparseAttention.apply(q, k, v, plan, scale, num_warps)
+    if num_stages is None:  # fp32 tiles take twice the shared memory: no software pipelining (H200: 227 KB)
+        num_stages = 1 if q.dtype == torch.float32 else 3
+    return _SparseAttention.apply(q, k, v, plan, scale, (num_warps, num_stages))

@@ -49,8 +49,12 @@ class ExpertWeights(nn.Module):
     def _expert_linear(self, name: str, x: torch.Tensor, e: int) -> torch.Tensor:
         if not self.quantized:
             return F.linear(x, getattr(self, name)[e].to(x.dtype))
-        return nvfp4_linear(x, getattr(self, f"{name}_packed")[e], getattr(self, f"{name}_scale")[e],
+        return nvfp4_linear(x, self.packed(name)[e], getattr(self, f"{name}_scale")[e],
                             getattr(self, f"{name}_gs")[e], self.profile, dtype=self.dtype)
+
+    def packed(self, name: str) -> torch.Tensor:
+        """The packed NVFP4 codes of "w13" / "w2" as uint8 (rl.fsdp may hold them in a 1-byte float container)."""
+        return getattr(self, f"{name}_packed").view(torch.uint8)
 
     def gate_up(self, x, e: int):
         return self._expert_linear("w13", x, e)

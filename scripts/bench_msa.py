@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from rl import msa  # noqa: E402
 
 BLOCK_KEYS = msa.BLOCK
+SWEEP = [(2, 4, 3), (4, 4, 3), (4, 8, 3), (4, 4, 2), (8, 4, 3), (8, 8, 3)]  # (tokens per group, warps, stages)
 
 
 def parse_args():
@@ -48,6 +49,8 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--no-sdpa", action="store_true", help="skip the dense baseline")
+    p.add_argument("--sweep", action="store_true",
+                   help="triton: also time fwd+bwd for other tokens-per-group / num_warps / num_stages")
     p.add_argument("--device", default="cuda")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="also write the JSON here")
@@ -136,6 +139,19 @@ def bench_length(total, args, device, dtype, gen):
     def msa_fwd_bwd():
         out = msa.sparse_attention(q, k, v, ids, cu, impl=args.impl, validate=False)
         torch.autograd.grad(out, (q, k, v), grad_out)
+
+    if args.impl == "triton" and args.sweep:
+        row["sweep"] = []
+        for tt, warps, stages in SWEEP:
+            def variant():
+                out = msa_triton.sparse_attention(q, k, v, ids, cu, args.dim ** -0.5, tokens_per_group=tt,
+                                                  num_warps=warps, num_stages=stages)
+                torch.autograd.grad(out, (q, k, v), grad_out)
+            try:
+                t = timed(variant, 1, args.repeats, device)
+            except Exception as exc:  # noqa: BLE001 (a config that does not fit is a result too)
+                t = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+            row["sweep"].append({"tokens_per_group": tt, "num_warps": warps, "num_stages": stages, **t})
 
     row["msa_fwd"] = timed(msa_fwd, args.warmup, args.repeats, device)
     row["msa_fwd_bwd"] = timed(msa_fwd_bwd, args.warmup, args.repeats, device)

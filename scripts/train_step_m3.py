@@ -159,7 +159,7 @@ def main(argv=None) -> int:
     build_s = time.perf_counter() - t0
     frozen = [p for p in model.parameters() if not p.requires_grad] + list(model.buffers())
     base_bytes = local_bytes(frozen)
-    packed_bytes = local_bytes([x for x in frozen if x.dtype in (torch.uint8, torch.float8_e4m3fn)])
+    packed_bytes = local_bytes([x for x in frozen if x.element_size() == 1])  # NVFP4 / MXFP8 bytes and scales
     lora_bytes = local_bytes(params)
     optimizer = torch.optim.AdamW(params, lr=1e-5)
     batch, token_adv = make_batch(args, t, rank, device)

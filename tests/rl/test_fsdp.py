@@ -53,7 +53,7 @@ def _worker(rank, port, path, out_dir):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.tensor import DTensor
 
-    from rl.fsdp import full_adapter_state_dict, full_lora_tensors, init_distributed, shard_model
+    from rl.fsdp import BYTE_CONTAINER, full_adapter_state_dict, full_lora_tensors, init_distributed, shard_model
     from rl.lora import adapter_state_dict, lora_parameters
     from rl.model import M3ForTraining, TrainerModelConfig
 
@@ -85,13 +85,13 @@ def _worker(rank, port, path, out_dir):
         lora = [p for n, p in model.named_parameters() if p.requires_grad]
         assert lora and all(isinstance(p, DTensor) for p in model.parameters())
         assert not any(isinstance(b, DTensor) for b in model.buffers())
+        byte = {torch.uint8: BYTE_CONTAINER}  # sharded uint8 bytes are held bit for bit in a 1-byte float dtype
         stored = {n: b.dtype for n, b in model.named_buffers()} | {n: p.dtype for n, p in model.named_parameters()
                                                                    if n in frozen}
-        assert stored == frozen  # packed codes never cast
+        assert stored == ({n: byte.get(d, d) for n, d in frozen.items()} if shard_base else frozen)  # never cast
         if shard_base:  # every packed weight and scale is a sharded parameter now (global scales stay buffers)
-            packed = (torch.uint8, torch.float8_e4m3fn)
-            assert not any(b.dtype in packed for b in model.buffers())
-            assert any(p.dtype == torch.uint8 for p in model.parameters())
+            assert not any(b.dtype in (torch.uint8, torch.float8_e4m3fn) for b in model.buffers())
+            assert sum(p.dtype == BYTE_CONTAINER for p in model.parameters()) > 0
         else:
             assert {n: b.dtype for n, b in model.named_buffers()} == frozen  # not sharded
 
