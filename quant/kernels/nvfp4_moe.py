@@ -26,21 +26,21 @@ Kernels (one per direction, plain ``tl.dot`` on bf16 tiles, fp32 accumulators):
   element instead of 4-5, an estimate from the instruction mix; needs sm80+), the default: 1.23x
   faster at 64 tokens, 1.39x at 32768. Both are exact.
 
-Measured on one H200 (torch 2.11, Triton 3.6; results/gpu/bench_expert_gemm.json), all 128 M3
-experts (gate_up 6144->6144, down 3072->6144), top-4 uniform routing, default configs and decoder:
+Measured on one H200 (torch 2.11, Triton 3.6; results/gpu/bench_expert_gemm.json with the first
+configs, results/gpu/run3/expert_small.json for BN=64), all 128 M3 experts (gate_up 6144->6144,
+down 3072->6144), top-4 uniform routing, asm decoder:
 
     tokens  fwd gate_up+down   bf16 _grouped_mm   input grad   bf16     weight floor (4.24 TB/s)
-    64       2.16 ms            4.04 ms            2.35 ms      3.98 ms  0.81 ms
-    512      3.60 ms            4.51 ms            3.83 ms      4.51 ms  0.96 ms
+    64       1.98 ms (BN=64)    4.00 ms            2.01 ms      3.97 ms  0.81 ms
+    512      3.31 ms (BN=64)    4.60 ms            3.35 ms      4.54 ms  0.96 ms
     4096     6.92 ms            6.17 ms            7.75 ms      6.18 ms  0.96 ms
-    32768   39.2 ms            24.3 ms            45.0 ms      24.4 ms  0.96 ms
+    32768   29.6 ms (BM=256)   24.3 ms            45.0 ms      24.4 ms  0.96 ms
 
 Few tokens: the kernel is bound by the integer work of the decode, not by HBM (2.7x the weight
 floor at 64 tokens; the "triton" decoder is 1.23x slower still). At 512 tokens the BM=16 tile
 splits the ~16-30 rows of most experts into two tiles, decoding the weights twice. Many tokens:
-380 TFLOP/s with BM=128; the BM=256 tile measured 19.5 + 10.1 = 29.6 ms at 32768 tokens (about
-500 TFLOP/s) but has not been through the correctness tests on a GPU yet, so it is only offered as
-``LARGE_M_CONFIG_BM256``.
+380 TFLOP/s with BM=128; the BM=256 tile (the default there) 19.5 + 10.1 = 29.6 ms at 32768 tokens
+(about 500 TFLOP/s).
 
 Triton is imported only when a kernel is first launched on a CUDA tensor; on CPU, or without
 Triton, ``nvfp4_moe_linear`` runs ``nvfp4_moe_linear_reference`` (a loop over experts through
@@ -369,17 +369,16 @@ DEFAULT_DECODER = "asm"
 def fwd_config(m: int, num_experts: int) -> dict:
     """Tile config for the forward by the average rows per expert (tokens are the MMA's N side)."""
     avg = m / max(num_experts, 1)
-    if avg <= 16:
-        return dict(BM=16, BN=128, BK=128, num_warps=4, num_stages=4)
+    if avg <= 16:  # BN=64: twice the programs over the weight rows (results/gpu/run3/expert_small.json)
+        return dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=4)
     if avg <= 32:
-        return dict(BM=32, BN=128, BK=128, num_warps=4, num_stages=4)
+        return dict(BM=32, BN=64, BK=128, num_warps=4, num_stages=4)
     if avg <= 96:
         return dict(BM=64, BN=128, BK=128, num_warps=4, num_stages=4)
-    return dict(BM=128, BN=128, BK=128, num_warps=8, num_stages=3)
+    return LARGE_M_CONFIG_BM256
 
 
-# Measured faster at 4096 and 32768 tokens (see the module docstring); pass as ``config=`` until
-# test_nvfp4_moe_config_variants has run on a GPU, then make it the default of the last bucket.
+# The large-token bucket (results/gpu/bench_expert_gemm.json variants; exact in test_nvfp4_moe_config_variants)
 LARGE_M_CONFIG_BM256 = dict(BM=256, BN=128, BK=128, num_warps=8, num_stages=3)
 
 
@@ -387,9 +386,9 @@ def dgrad_config(m: int, num_experts: int) -> dict:
     """Tile config for the input gradient (SWAP: the weights on the MMA's M side, for few rows)."""
     avg = m / max(num_experts, 1)
     if avg <= 16:
-        return dict(BM=16, BK=128, BN=128, num_warps=4, num_stages=4, SWAP=True)
+        return dict(BM=16, BK=128, BN=64, num_warps=4, num_stages=4, SWAP=True)
     if avg <= 32:
-        return dict(BM=32, BK=128, BN=128, num_warps=4, num_stages=4, SWAP=True)
+        return dict(BM=32, BK=128, BN=64, num_warps=4, num_stages=4, SWAP=True)
     if avg <= 96:
         return dict(BM=64, BK=128, BN=64, num_warps=4, num_stages=4, SWAP=False)
     return dict(BM=128, BK=128, BN=128, num_warps=8, num_stages=3, SWAP=False)
