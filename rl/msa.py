@@ -197,8 +197,8 @@ def sparse_attention(
     q [T, Hq, D]; k, v [T, Hkv, D]; block_ids [T, Hkv, topk] per-sequence block ids (-1 = empty);
     scale defaults to D**-0.5. Query head h reads KV head h // (Hq // Hkv) and that head's blocks.
     impl: "reference" (chunked dense masked attention, exact, any device), "triton" (rl.msa_triton: per-token
-    block-sparse kernels, CUDA), "flex" (FlexAttention with a BlockMask, CUDA; forward only on CPU), "auto" (triton
-    on CUDA, reference elsewhere).
+    block-sparse kernels, CUDA bf16/fp16), "flex" (FlexAttention with a BlockMask, CUDA; forward only on CPU),
+    "auto" (triton on CUDA in bf16/fp16, flex on CUDA in fp32, reference elsewhere).
     Returns [T, Hq, D] in q's dtype.
     """
     t_count, hq, dim = q.shape
@@ -208,8 +208,8 @@ def sparse_attention(
     if validate:
         validate_block_ids(block_ids, cu_seqlens, num_heads=k.shape[1])
     scale = dim ** -0.5 if scale is None else scale
-    if impl == "auto":
-        impl = "triton" if q.is_cuda else "reference"
+    if impl == "auto":  # the Triton kernels are measured and tested in bf16 (fp32 tiles exceed shared memory)
+        impl = ("triton" if q.dtype != torch.float32 else "flex") if q.is_cuda else "reference"
     if impl == "reference":
         return _reference_attention(q, k, v, block_ids, cu_seqlens, scale, chunk_size)
     if impl == "triton":

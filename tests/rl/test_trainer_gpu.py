@@ -93,9 +93,13 @@ def test_gpu_fast_paths_match_reference(tmp_path):
     for key, r in report.items():
         if r["grads_only_in_first"] or r["grads_only_in_second"]:
             problems.append(f"{key}: gradient sets differ {r['grads_only_in_first']} / {r['grads_only_in_second']}")
-        if not (r["lp_median"] <= 0.02 and r["lp_mean"] <= 0.05):
-            problems.append(f"{key}: logprob |d| median {r['lp_median']:.3g} mean {r['lp_mean']:.3g}")
-        if r["grad_cos_min"] is None or r["grad_cos_min"] <= 0.99:
+        # bf16 logits (as vLLM computes them) have an ulp of 0.03-0.06 at |logit| 4-8, so two correct bf16 paths
+        # differ by about that per token (measured on the H200: median 0.025-0.031, max 0.2; without replay the
+        # max was 5 nats); a wrong kernel moves logprobs by whole nats.
+        if not (r["lp_median"] <= 0.05 and r["lp_mean"] <= 0.06 and r["lp_max"] <= 0.5):
+            problems.append(f"{key}: logprob |d| median {r['lp_median']:.3g} mean {r['lp_mean']:.3g} "
+                            f"max {r['lp_max']:.3g}")
+        if r["grad_cos_min"] is None or r["grad_cos_min"] <= 0.999:
             problems.append(f"{key}: gradient cosine {r['grad_cos_worst']}")
     # Recomputing a layer in backward repeats the same kernels on the same inputs; only the order of CUDA's atomic
     # index_add (expert outputs into tokens) may differ between runs, i.e. fp32 last-bit noise.
