@@ -141,18 +141,19 @@ class _NVFP4Matmul(torch.autograd.Function):
 
 
 class _MXFP8Matmul(torch.autograd.Function):
-    """x @ dequant(W)^T with the E4M3 bytes and E8M0 scales kept for backward, not the dtype weight."""
+    """x @ dequant(W)^T (+ bias, added before the one rounding, as the GEMM epilogue does) with the E4M3 bytes and
+    E8M0 scales kept for backward, not the dtype weight."""
 
     @staticmethod
-    def forward(ctx, x, weight, scale, dtype):  # noqa: D102
+    def forward(ctx, x, weight, scale, bias, dtype):  # noqa: D102
         ctx.save_for_backward(weight, scale)
         ctx.dtype = dtype
-        return F.linear(x, mxfp8.dequantize(weight, scale, dtype))
+        return F.linear(x, mxfp8.dequantize(weight, scale, dtype), bias)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
         weight, scale = ctx.saved_tensors
-        return grad @ mxfp8.dequantize(weight, scale, ctx.dtype), None, None, None
+        return grad @ mxfp8.dequantize(weight, scale, ctx.dtype), None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,8 +284,7 @@ def mxfp8_linear(
     x = x.to(dtype)
     if profile == "blackwell":
         x = mxfp8_act_qdq(x)
-    y = _MXFP8Matmul.apply(x, weight, scale, dtype)
-    return y if bias is None else y + bias.to(dtype)
+    return _MXFP8Matmul.apply(x, weight, scale, None if bias is None else bias.to(dtype), dtype)
 
 
 # ---------------------------------------------------------------------------------------------

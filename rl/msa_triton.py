@@ -130,6 +130,36 @@ if triton is not None:
         return tl.sum((sel == kb).to(tl.int32), 1) > 0
 
     @triton.jit
+    def _kv_tile(k_ptr, v_ptr, kstart_ptr, kb, h, T, HKV: tl.constexpr, D: tl.constexpr):
+        # Keys and values of global key block kb, KV head h: (packed key indices [128], K [128, D], V [128, D]).
+        d = tl.arange(0, D)
+        kidx = tl.load(kstart_ptr + kb) + tl.arange(0, 128)
+        kv_ok = kidx < T
+        rows = (kidx[:, None] * HKV + h) * D + d[None, :]
+        kt = tl.load(k_ptr + rows, mask=kv_ok[:, None], other=0.0)
+        vt = tl.load(v_ptr + rows, mask=kv_ok[:, None], other=0.0)
+        return kidx, kt, vt
+
+    @triton.jit
+    def _row_tiles(q_ptr, do_ptr, lse_ptr, delta_ptr, tok, head, ok, HQ: tl.constexpr, D: tl.constexpr):
+        # The tile rows' q, dO [BM, D], log-sum-exp and delta [BM], and their element offsets.
+        rows = (tok[:, None] * HQ + head[:, None]) * D + tl.arange(0, D)[None, :]
+        q = tl.load(q_ptr + rows, mask=ok[:, None], other=0.0)
+        do = tl.load(do_ptr + rows, mask=ok[:, None], other=0.0)
+        lse = tl.load(lse_ptr + tok * HQ + head, mask=ok, other=float("inf"))
+        delta = tl.load(delta_ptr + tok * HQ + head, mask=ok, other=0.0)
+        return q, do, lse, delta, rows
+
+    @triton.jit
+    def _probs_ds(q, do, kt, vt, kidx, tok, member, lse, delta, scale, PREC: tl.constexpr):
+        # Backward of one tile: P = exp(S - lse) on the selected causal keys, dS = P * (dO V^T - delta).
+        s = tl.dot(q, tl.trans(kt), input_precision=PREC) * scale
+        valid = member[:, None] & (kidx[None, :] <= tok[:, None])
+        p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(vt), input_precision=PREC)
+        return p, p * (dp - delta[:, None])
+
+    @triton.jit
     def _fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, gids_ptr, kstart_ptr, union_ptr, count_ptr, T, U, scale,
              HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, TT: tl.constexpr, BM: tl.constexpr,
              D: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, PREC: tl.constexpr):
@@ -137,7 +167,6 @@ if triton is not None:
         h = tl.program_id(1)
         tok, head, ok = _rows(g, h, T, G, TT, BM, HQ)
         d = tl.arange(0, D)
-        n = tl.arange(0, 128)
         q = tl.load(q_ptr + (tok[:, None] * HQ + head[:, None]) * D + d[None, :], mask=ok[:, None], other=0.0)
         m_i = tl.full([BM], float("-inf"), tl.float32)
         l_i = tl.zeros([BM], tl.float32)
@@ -145,11 +174,7 @@ if triton is not None:
         cnt = tl.load(count_ptr + g * HKV + h)
         for i in range(0, cnt):
             kb = tl.load(union_ptr + (g * HKV + h) * U + i)
-            k0 = tl.load(kstart_ptr + kb)
-            kidx = k0 + n
-            kv_ok = kidx < T
-            kt = tl.load(k_ptr + (kidx[:, None] * HKV + h) * D + d[None, :], mask=kv_ok[:, None], other=0.0)
-            vt = tl.load(v_ptr + (kidx[:, None] * HKV + h) * D + d[None, :], mask=kv_ok[:, None], other=0.0)
+            kidx, kt, vt = _kv_tile(k_ptr, v_ptr, kstart_ptr, kb, h, T, HKV, D)
             member = _member(gids_ptr, tok, ok, h, kb, HKV, TOPK, TOPK_P2)
             s = tl.dot(q, tl.trans(kt), input_precision=PREC) * scale
             valid = member[:, None] & (kidx[None, :] <= tok[:, None])
@@ -175,27 +200,14 @@ if triton is not None:
         g = tl.program_id(0)
         h = tl.program_id(1)
         tok, head, ok = _rows(g, h, T, G, TT, BM, HQ)
-        d = tl.arange(0, D)
-        n = tl.arange(0, 128)
-        rows = (tok[:, None] * HQ + head[:, None]) * D + d[None, :]
-        q = tl.load(q_ptr + rows, mask=ok[:, None], other=0.0)
-        do = tl.load(do_ptr + rows, mask=ok[:, None], other=0.0)
-        lse = tl.load(lse_ptr + tok * HQ + head, mask=ok, other=float("inf"))
-        delta = tl.load(delta_ptr + tok * HQ + head, mask=ok, other=0.0)
+        q, do, lse, delta, rows = _row_tiles(q_ptr, do_ptr, lse_ptr, delta_ptr, tok, head, ok, HQ, D)
         dq = tl.zeros([BM, D], tl.float32)
         cnt = tl.load(count_ptr + g * HKV + h)
         for i in range(0, cnt):
             kb = tl.load(union_ptr + (g * HKV + h) * U + i)
-            kidx = tl.load(kstart_ptr + kb) + n
-            kv_ok = kidx < T
-            kt = tl.load(k_ptr + (kidx[:, None] * HKV + h) * D + d[None, :], mask=kv_ok[:, None], other=0.0)
-            vt = tl.load(v_ptr + (kidx[:, None] * HKV + h) * D + d[None, :], mask=kv_ok[:, None], other=0.0)
+            kidx, kt, vt = _kv_tile(k_ptr, v_ptr, kstart_ptr, kb, h, T, HKV, D)
             member = _member(gids_ptr, tok, ok, h, kb, HKV, TOPK, TOPK_P2)
-            s = tl.dot(q, tl.trans(kt), input_precision=PREC) * scale
-            valid = member[:, None] & (kidx[None, :] <= tok[:, None])
-            p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(vt), input_precision=PREC)
-            ds = p * (dp - delta[:, None])
+            p, ds = _probs_ds(q, do, kt, vt, kidx, tok, member, lse, delta, scale, PREC)
             dq = tl.dot(ds.to(kt.dtype), kt, dq, input_precision=PREC)
         tl.store(dq_ptr + rows, (dq * scale).to(dq_ptr.dtype.element_ty), mask=ok[:, None])
 
@@ -210,29 +222,18 @@ if triton is not None:
         lo = tl.load(chunk_lo_ptr + c)
         hi = tl.load(chunk_hi_ptr + c)
         d = tl.arange(0, D)
-        n = tl.arange(0, 128)
-        kidx = tl.load(kstart_ptr + kb) + n
+        kidx, kt, vt = _kv_tile(k_ptr, v_ptr, kstart_ptr, kb, h, T, HKV, D)
         kv_ok = kidx < T
         kv_rows = (kidx[:, None] * HKV + h) * D + d[None, :]
-        kt = tl.load(k_ptr + kv_rows, mask=kv_ok[:, None], other=0.0)
-        vt = tl.load(v_ptr + kv_rows, mask=kv_ok[:, None], other=0.0)
         dk = tl.zeros([128, D], tl.float32)
         dv = tl.zeros([128, D], tl.float32)
         for e in range(lo, hi):
             g = tl.load(visit_ptr + e)
             tok, head, ok = _rows(g, h, T, G, TT, BM, HQ)
-            rows = (tok[:, None] * HQ + head[:, None]) * D + d[None, :]
-            q = tl.load(q_ptr + rows, mask=ok[:, None], other=0.0)
-            do = tl.load(do_ptr + rows, mask=ok[:, None], other=0.0)
-            lse = tl.load(lse_ptr + tok * HQ + head, mask=ok, other=float("inf"))
-            delta = tl.load(delta_ptr + tok * HQ + head, mask=ok, other=0.0)
+            q, do, lse, delta, rows = _row_tiles(q_ptr, do_ptr, lse_ptr, delta_ptr, tok, head, ok, HQ, D)
             member = _member(gids_ptr, tok, ok, h, kb, HKV, TOPK, TOPK_P2)
-            s = tl.dot(q, tl.trans(kt), input_precision=PREC) * scale
-            valid = member[:, None] & (kidx[None, :] <= tok[:, None])
-            p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
+            p, ds = _probs_ds(q, do, kt, vt, kidx, tok, member, lse, delta, scale, PREC)
             dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=PREC)
-            dp = tl.dot(do, tl.trans(vt), input_precision=PREC)
-            ds = p * (dp - delta[:, None])
             dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=PREC)
         tl.atomic_add(dk_ptr + kv_rows, dk * scale, mask=kv_ok[:, None])
         tl.atomic_add(dv_ptr + kv_rows, dv, mask=kv_ok[:, None])
