@@ -24,6 +24,7 @@ class ModelCfg:
     attention_impl: str = "auto"
     moe_impl: str = "auto"
     activation_checkpointing: bool = False
+    moe_chunk_tokens: int = 0
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # rank 32, alpha 64, every target (rl/lora.py)
 
 

@@ -39,6 +39,7 @@ class TrainerModelConfig:
     attention_impl: str = "auto"  # MSA: "reference" (CPU), "triton" / "flex" (GPU), "auto"
     moe_impl: str = "auto"  # routed experts: "loop" (per expert), "grouped" (CUDA bf16: Triton NVFP4 / _grouped_mm)
     activation_checkpointing: bool = False  # recompute each decoder layer in backward (long sequences)
+    moe_chunk_tokens: int = 0  # > 0: routed experts in token chunks, each recomputed in backward (less memory)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def validate(self) -> None:
@@ -52,6 +53,8 @@ class TrainerModelConfig:
                                     ("moe_impl", self.moe_impl, ("auto", "loop", "grouped"))):
             if value not in allowed:
                 raise ValueError(f"model.{key}={value!r}: expected one of {list(allowed)}")
+        if self.moe_chunk_tokens < 0:
+            raise ValueError(f"model.moe_chunk_tokens={self.moe_chunk_tokens}: expected 0 (off) or a token count")
         self.lora.validate()
 
 
@@ -194,6 +197,7 @@ class MoE(nn.Module):
         self.top_k, self.scaling = cfg.num_experts_per_tok, cfg.routed_scaling_factor
         self.alpha, self.limit, self.beta = cfg.swiglu_alpha, cfg.swiglu_limit, cfg.swiglu_beta
         self.impl, self.num_experts = model_cfg.moe_impl, cfg.num_local_experts
+        self.chunk_tokens = model_cfg.moe_chunk_tokens
 
     def _use_grouped(self, x) -> bool:
         fits = x.is_cuda and x.dtype == torch.bfloat16
@@ -204,9 +208,21 @@ class MoE(nn.Module):
     def forward(self, x, replay_ids=None):
         logits = x.float() @ self.gate.t()  # GateLinear: fp32 weights and output
         weights, ids, own = route(logits, self.bias, self.top_k, self.scaling, replay_ids)
+        chunk = self.chunk_tokens
+        if chunk and x.shape[0] > chunk and torch.is_grad_enabled():
+            # Each chunk's expert activations are rebuilt in backward, so a long batch holds one chunk's at a time.
+            routed = torch.cat([torch.utils.checkpoint.checkpoint(self._routed, x[a:a + chunk], weights[a:a + chunk],
+                                                                  ids[a:a + chunk], use_reentrant=False)
+                                for a in range(0, x.shape[0], chunk)])
+        else:
+            routed = self._routed(x, weights, ids)
+        return routed + self.shared_experts(x), own, ids
+
+    def _routed(self, x, weights, ids):
+        """The routed experts' weighted sum, in x's dtype (vLLM: fp32 sum of the scaled expert outputs)."""
         if self._use_grouped(x):
-            return self._grouped(x, weights, ids) + self.shared_experts(x), own, ids
-        acc = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+            return self._grouped(x, weights, ids)
+        rows, toks, slots = [], [], []
         lora = getattr(self.experts, "lora", None)
         for e in torch.unique(ids).tolist():
             tok, slot = (ids == e).nonzero(as_tuple=True)
@@ -218,8 +234,13 @@ class MoE(nn.Module):
             y = self.experts.down(act, e)
             if lora is not None:
                 y = y + lora.down(act, e)
-            acc = acc.index_add(0, tok, y.float() * weights[tok, slot, None])
-        return acc.to(x.dtype) + self.shared_experts(x), own, ids
+            rows.append(y)
+            toks.append(tok)
+            slots.append(slot)
+        if not rows:  # no tokens
+            return torch.zeros_like(x)
+        tok = torch.cat(toks)
+        return weighted_sum(torch.cat(rows), weights[tok, torch.cat(slots)], tok, x.shape[0]).to(x.dtype)
 
     def _grouped(self, x, weights, ids):
         """GPU path: all routed experts in two grouped GEMMs, tokens sorted by expert: NVFP4 (quant.kernels, the
@@ -247,9 +268,40 @@ class MoE(nn.Module):
         y = linear(act, "w2")
         if lora is not None:
             y = y + torch.cat([lora.down(act[a:b], i) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))])
-        w = weights.reshape(-1)[order]
-        acc = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        return acc.index_add(0, tok, y.float() * w[:, None]).to(x.dtype)
+        return weighted_sum(y, weights.reshape(-1)[order], tok, x.shape[0]).to(x.dtype)
+
+
+class _WeightedSum(torch.autograd.Function):
+    """out[t] = sum over the rows r of token t of fp32(y[r]) * w[r], in fp32. Saves y in its own dtype and rebuilds
+    the products in row chunks: autograd's mul would keep fp32(y), 4 B per routed row element (13 GB per M3 layer
+    at 64K tokens), and the unchunked product as much again transiently."""
+
+    ROWS = 1 << 16
+
+    @staticmethod
+    def forward(ctx, y, w, tok, num_tokens):  # noqa: D102
+        out = torch.zeros(num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
+        for a in range(0, y.shape[0], _WeightedSum.ROWS):
+            b = a + _WeightedSum.ROWS
+            out.index_add_(0, tok[a:b], y[a:b].float() * w[a:b, None])
+        ctx.save_for_backward(y, w, tok)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        y, w, tok = ctx.saved_tensors
+        gy, gw = torch.empty_like(y), torch.empty_like(w)
+        for a in range(0, y.shape[0], _WeightedSum.ROWS):
+            b = a + _WeightedSum.ROWS
+            g = grad[tok[a:b]]
+            gy[a:b] = g * w[a:b, None]
+            gw[a:b] = (g * y[a:b].float()).sum(-1)
+        return gy, gw, None, None
+
+
+def weighted_sum(y: torch.Tensor, w: torch.Tensor, tok: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Routed rows y [R, H] with weights w [R] (fp32) summed into their tokens tok [R]: fp32 [num_tokens, H]."""
+    return _WeightedSum.apply(y, w, tok, num_tokens)
 
 
 class DecoderLayer(nn.Module):

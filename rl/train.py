@@ -105,7 +105,8 @@ class Session:
             path=self.model_path, dtype=c.model.dtype, base=c.model.base, profile=c.model.profile,
             kv_cache_dtype=c.model.kv_cache_dtype, indexer_kv_dtype=c.model.indexer_kv_dtype,
             attention_impl=c.model.attention_impl, moe_impl=c.model.moe_impl,
-            activation_checkpointing=c.model.activation_checkpointing, lora=self.lora_cfg), on_layer=on_layer)
+            activation_checkpointing=c.model.activation_checkpointing, moe_chunk_tokens=c.model.moe_chunk_tokens,
+            lora=self.lora_cfg), on_layer=on_layer)
         if self.world > 1:
             shard_model(self.model, mesh=mesh, shard_base=shard_base)
         self.params = lora_parameters(self.model)

@@ -48,6 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--base", choices=("quantized", "bf16"), default="quantized")
     p.add_argument("--shard-base", type=int, choices=(0, 1), default=1, help="FSDP2-shard the frozen base")
     p.add_argument("--activation-checkpointing", type=int, choices=(0, 1), default=1)
+    p.add_argument("--moe-chunk-tokens", type=int, default=0, help="model.moe_chunk_tokens (0: off)")
     p.add_argument("--lora-rank", type=int, default=32)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
@@ -109,6 +110,7 @@ def build(args, t: dict, device, mesh):
 
     mcfg = TrainerModelConfig(path=SyntheticCheckpoint.path, dtype="bfloat16", base=args.base,
                               activation_checkpointing=bool(args.activation_checkpointing),
+                              moe_chunk_tokens=args.moe_chunk_tokens,
                               lora=LoRAConfig(rank=args.lora_rank, alpha=2 * args.lora_rank))
     base = BaseWeights(SyntheticCheckpoint(t, device, args.seed), torch.bfloat16, args.base, "hopper", False, t)
     shard = bool(args.shard_base)

@@ -2,7 +2,7 @@
 give the same token logprobs and LoRA gradients as the reference paths, on the quantized tiny M3 in bf16.
 
 Runs of one batch: the CPU reference, the GPU with the reference paths (`attention_impl=reference`,
-`moe_impl=loop`), the GPU fast paths (`auto`), FlexAttention, the fast paths with activation checkpointing, and the
+`moe_impl=loop`), the GPU fast paths (`auto`), FlexAttention, the fast paths with activation checkpointing (and MoE token chunks), and the
 bf16 base with its experts per expert vs in torch._grouped_mm. Every run after the first replays the CPU run's expert
 and MSA block choices. Every comparison is computed before any assertion and printed as one JSON line (and written
 to $M3RL_GPU_REPORT when set), so a failure on the device shows all numbers, not the first mismatch.
@@ -22,6 +22,7 @@ RUNS = {  # name -> (device, model config overrides)
     "gpu_fast": ("cuda", {}),
     "gpu_flex": ("cuda", {"attention_impl": "flex"}),
     "gpu_fast_ckpt": ("cuda", {"activation_checkpointing": True}),
+    "gpu_fast_ckpt_chunks": ("cuda", {"activation_checkpointing": True, "moe_chunk_tokens": 256}),
     "gpu_bf16_loop": ("cuda", {"base": "bf16", "moe_impl": "loop"}),  # the bf16 base: torch._grouped_mm path
     "gpu_bf16_grouped": ("cuda", {"base": "bf16", "moe_impl": "grouped"}),
 }
@@ -75,7 +76,8 @@ def test_gpu_fast_paths_match_reference(tmp_path):
     out = {}
     for name, (dev, overrides) in RUNS.items():
         if dev == "cuda" and device == "cpu":
-            overrides = {k: v for k, v in overrides.items() if k in ("activation_checkpointing", "base")}
+            overrides = {k: v for k, v in overrides.items()
+                         if k in ("activation_checkpointing", "base", "moe_chunk_tokens")}
             overrides.setdefault("attention_impl", "reference")  # flex has no CPU backward
         replay = out["cpu_reference"][2] if out else None
         out[name] = _run(str(tmp_path / "q"), device if dev == "cuda" else "cpu", overrides, ids, cu, replay)
@@ -84,6 +86,7 @@ def test_gpu_fast_paths_match_reference(tmp_path):
               "fast_vs_cpu": _compare(out["cpu_reference"], out["gpu_fast"]),
               "flex_vs_gpu_reference": _compare(out["gpu_reference"], out["gpu_flex"]),
               "ckpt_vs_fast": _compare(out["gpu_fast"], out["gpu_fast_ckpt"]),
+              "moe_chunks_vs_fast": _compare(out["gpu_fast"], out["gpu_fast_ckpt_chunks"]),
               "bf16_grouped_vs_loop": _compare(out["gpu_bf16_loop"], out["gpu_bf16_grouped"])}
     print(json.dumps(report))
     if os.environ.get("M3RL_GPU_REPORT"):
