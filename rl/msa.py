@@ -58,17 +58,25 @@ def token_positions(cu_seqlens, device=None) -> torch.Tensor:
 @torch.no_grad()
 def select_blocks(
     index_q: torch.Tensor, index_k: torch.Tensor, cu_seqlens, topk: int, init_blocks: int, local_blocks: int, *,
-    index_dtype: torch.dtype | None = torch.bfloat16, chunk_size: int | None = None,
+    index_dtype: torch.dtype | None = torch.bfloat16, chunk_size: int | None = None, impl: str = "auto",
 ) -> torch.Tensor:
     """vLLM's MSA block selection on a packed batch: index_q [T, H, D], index_k [T, D] -> int32 [T, H, topk].
 
     Rows are sorted by score (forced blocks first; their mutual order is not part of the contract) and -1 padded.
     `index_dtype` rounds index q/k as vLLM's index cache does (bf16 even for fp32 models); None keeps them as given.
     Queries are processed in chunks so the fp32 score buffer stays under SELECT_CHUNK_BYTES.
+    impl: "reference" (this torch code), "triton" (rl.msa_triton's scoring kernel, then the same choice; bf16 index
+    q/k only), "auto" (triton on CUDA with index_dtype bf16).
     """
     t_count, heads, dim = index_q.shape
     if index_k.shape != (t_count, dim):
         raise ValueError(f"index_k must be [T, D] = {[t_count, dim]}, got {list(index_k.shape)}")
+    if impl not in ("auto", "reference", "triton"):
+        raise ValueError(f"impl must be 'auto', 'reference' or 'triton', got {impl!r}")
+    if impl == "triton" or (impl == "auto" and index_q.is_cuda and index_dtype == torch.bfloat16):
+        from rl import msa_triton
+
+        return msa_triton.select_blocks(index_q, index_k, cu_seqlens, topk, init_blocks, local_blocks)
     if index_dtype is not None:
         index_q, index_k = index_q.to(index_dtype), index_k.to(index_dtype)
     out = torch.full((t_count, heads, topk), -1, dtype=torch.int32, device=index_q.device)
@@ -98,8 +106,15 @@ def _select_chunk(q, keys, c0, c1, topk, init_blocks, local_blocks):
     scores.masked_fill_(torch.arange(nb * BLOCK, device=device)[None, :] > pos[:, None], float("-inf"))
     block_scores = scores.view(scores.shape[0], c1 - c0, nb, BLOCK).amax(-1)
     del scores
-    block_scores = torch.nan_to_num(block_scores, nan=NAN_SCORE, posinf=float("inf"), neginf=float("-inf"))
+    return top_blocks(block_scores, pos, topk, init_blocks, local_blocks)
 
+
+def top_blocks(block_scores: torch.Tensor, pos: torch.Tensor, topk: int, init_blocks: int,
+               local_blocks: int) -> torch.Tensor:
+    """vLLM's choice from block scores [H, C, nb] (fp32; -inf = invisible) of queries at positions pos [C]: forced
+    init and local blocks, top-k, -1 for invisible picks and padding -> int32 [C, H, topk]."""
+    device, nb = block_scores.device, block_scores.shape[-1]
+    block_scores = torch.nan_to_num(block_scores, nan=NAN_SCORE, posinf=float("inf"), neginf=float("-inf"))
     ids = torch.arange(nb, device=device)[None, :]
     valid = (pos // BLOCK + 1)[:, None]
     is_init = (ids < init_blocks) & (ids < valid)

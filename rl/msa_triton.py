@@ -238,6 +238,56 @@ if triton is not None:
         tl.atomic_add(dk_ptr + kv_rows, dk * scale, mask=kv_ok[:, None])
         tl.atomic_add(dv_ptr + kv_rows, dv, mask=kv_ok[:, None])
 
+    @triton.jit
+    def _block_scores(q_ptr, k_ptr, out_ptr, tile_q0_ptr, tile_q1_ptr, tile_s0_ptr, NB,
+                      HI: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr, PREC: tl.constexpr):
+        # Index scores of BQ queries (one sequence) and index head h: max over each visible block's keys of <q, k>.
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        q0 = tl.load(tile_q0_ptr + t)
+        q1 = tl.load(tile_q1_ptr + t)
+        s0 = tl.load(tile_s0_ptr + t)
+        rows = q0 + tl.arange(0, BQ)
+        ok = rows < q1
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + (rows[:, None] * HI + h) * D + d[None, :], mask=ok[:, None], other=0.0)
+        for b in range(0, (q1 - 1 - s0) // 128 + 1):
+            kidx = s0 + b * 128 + tl.arange(0, 128)
+            kt = tl.load(k_ptr + kidx[:, None] * D + d[None, :], mask=(kidx < q1)[:, None], other=0.0)
+            sc = tl.dot(q, tl.trans(kt), input_precision=PREC)
+            sc = tl.where(kidx[None, :] <= rows[:, None], sc, float("-inf"))
+            tl.store(out_ptr + (rows * HI + h) * NB + b, tl.max(sc, 1), mask=ok)
+
+
+def select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, cu_seqlens, topk: int, init_blocks: int,
+                  local_blocks: int, queries_per_tile: int = 64) -> torch.Tensor:
+    """`rl.msa.select_blocks` with the index scores from a Triton kernel (index q/k rounded to bf16, fp32
+    accumulation, as vLLM's; only the summation order differs, so near-tied blocks can swap)."""
+    from rl import msa
+
+    _, kernel = _kernels()[0], _block_scores
+    t_count, heads, dim = index_q.shape
+    device = index_q.device
+    q, k = index_q.to(torch.bfloat16), index_k.to(torch.bfloat16)
+    if not q.is_cuda:  # Triton's CPU interpreter mishandles bf16 dots: the same (bf16-valued) numbers in fp32
+        q, k = q.float(), k.float()
+    q, k = q.contiguous(), k.contiguous()
+    cu = torch.as_tensor(cu_seqlens, device=device).long()
+    lens = cu[1:] - cu[:-1]
+    nb = int((lens.max() + BLOCK - 1) // BLOCK) if t_count else 0
+    tiles = (lens + queries_per_tile - 1) // queries_per_tile
+    seq = torch.repeat_interleave(torch.arange(len(lens), device=device), tiles)
+    j = torch.arange(len(seq), device=device) - (torch.cumsum(tiles, 0) - tiles)[seq]
+    q0 = cu[seq] + j * queries_per_tile
+    q1 = torch.minimum(q0 + queries_per_tile, cu[seq + 1])
+    scores = torch.full((t_count, heads, max(nb, 1)), float("-inf"), dtype=torch.float32, device=device)
+    if len(seq):
+        i32 = lambda x: x.to(torch.int32).contiguous()  # noqa: E731
+        kernel[(len(seq), heads)](q, k, scores, i32(q0), i32(q1), i32(cu[seq]), scores.shape[2], HI=heads, D=dim,
+                                  BQ=queries_per_tile, PREC="tf32" if q.is_cuda else "ieee")
+    pos = msa.token_positions(cu, device)
+    return msa.top_blocks(scores.permute(1, 0, 2), pos, topk, init_blocks, local_blocks)
+
 
 def _kernels():
     if triton is None:

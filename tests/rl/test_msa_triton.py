@@ -3,7 +3,7 @@
 CPU: the kernels run under Triton's interpreter (TRITON_INTERPRET=1) in a subprocess that puts the interpreter-only
 Triton install (.venv/triton-interpret, made by scripts/install/setup_env.sh) on its path; fp32, exact math, so the
 bounds are fp32 rounding. Cases: packed sequences whose token groups straddle a sequence boundary, 1 and 2 tokens per
-group, and popular blocks split over several dK/dV programs (atomic adds).
+group, popular blocks split over several dK/dV programs (atomic adds), and the index-score kernel's block selection.
 GPU (`-m gpu`): bf16 at 4K, packed and 32K tokens with M3's 64 q / 4 KV heads, through `msa.sparse_attention`.
 """
 
@@ -41,6 +41,17 @@ def _case(lengths, hq, hkv, dim, topk, tokens_per_group, chunk_groups=None, seed
             "programs_dkdv": plan.chunk_kb.numel(), "key_blocks": plan.kstart.numel() * hkv}
 
 
+def _selection(lengths, heads, dim, topk, init_blocks, local_blocks, seed=1):
+    from rl import msa, msa_triton
+
+    g = torch.Generator().manual_seed(seed)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    iq, ik = torch.randn(sum(lengths), heads, dim, generator=g), torch.randn(sum(lengths), dim, generator=g)
+    ref = msa.select_blocks(iq, ik, cu, topk, init_blocks, local_blocks, impl="reference")
+    got = msa_triton.select_blocks(iq, ik, cu, topk, init_blocks, local_blocks)
+    return {"agreement": msa.selection_agreement(ref, got), "same_shape": list(ref.shape) == list(got.shape)}
+
+
 CASES = {  # name -> _case kwargs
     "packed_tt2": dict(lengths=[300, 200], hq=4, hkv=2, dim=32, topk=2, tokens_per_group=2),
     "tt1": dict(lengths=[260], hq=2, hkv=1, dim=16, topk=2, tokens_per_group=1),
@@ -48,7 +59,9 @@ CASES = {  # name -> _case kwargs
 }
 
 if __name__ == "__main__":  # the interpreter subprocess
-    print(json.dumps({name: _case(**kw) for name, kw in CASES.items()}))
+    report = {name: _case(**kw) for name, kw in CASES.items()}
+    report["selection"] = _selection([300, 520, 90], heads=2, dim=32, topk=3, init_blocks=1, local_blocks=1)
+    print(json.dumps(report))
     sys.exit(0)
 
 
@@ -59,6 +72,8 @@ def test_kernels_under_the_interpreter_match_reference():
     assert p.returncode == 0, p.stderr[-3000:]
     report = json.loads(p.stdout.strip().splitlines()[-1])
     print(json.dumps(report, indent=1))
+    # Index scores of bf16 values summed in fp32 (exactly, under the interpreter): the same blocks everywhere.
+    assert report.pop("selection") == {"agreement": 1.0, "same_shape": True}
     assert set(report) == set(CASES)
     for name, r in report.items():
         for key in ("out", "dq", "dk", "dv"):
@@ -92,3 +107,19 @@ def test_triton_matches_reference_gpu(lengths, dtype):
         rel_max = float((a - b).abs().max() / a.abs().max())
         rel_norm = float((a - b).norm() / a.norm())
         assert rel_max <= bound and rel_norm <= norm_bound, (name, rel_max, rel_norm)
+
+
+@pytest.mark.gpu
+def test_triton_selection_agrees_gpu():
+    """The index-score kernel sums in another order than the reference: only near-tied blocks may swap."""
+    from rl import msa
+
+    g = torch.Generator().manual_seed(9)
+    lengths = [32768, 5000, 300]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    iq = torch.randn(sum(lengths), 4, 128, generator=g).cuda()
+    ik = torch.randn(sum(lengths), 128, generator=g).cuda()
+    ref = msa.select_blocks(iq, ik, cu, 16, 0, 1, impl="reference")
+    got = msa.select_blocks(iq, ik, cu, 16, 0, 1)  # auto: triton on CUDA
+    msa.validate_block_ids(got, cu, topk=16, init_blocks=0, local_blocks=1)
+    assert msa.selection_agreement(ref, got) >= 0.999
