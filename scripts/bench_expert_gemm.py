@@ -123,6 +123,10 @@ def main():
                 cases.append(("fwd", "nvfp4[BM=256]", dict(BM=256, BN=128, BK=128, num_warps=8, num_stages=3), None))
                 cases.append(("fwd", "nvfp4[BK=64,4st]", dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4), None))
                 cases.append(("dgrad", "nvfp4[BN=64]", dict(BM=128, BK=128, BN=64, num_warps=8, num_stages=3, SWAP=False), None))
+                cases.append(("dgrad", "nvfp4[BM=256,BN=64]",
+                              dict(BM=256, BK=128, BN=64, num_warps=8, num_stages=3, SWAP=False), None))
+                cases.append(("dgrad", "nvfp4[BM=256,st2]",
+                              dict(BM=256, BK=128, BN=128, num_warps=8, num_stages=2, SWAP=False), None))
             base = {}
             for direction in ("fwd", "dgrad"):
                 if direction == "fwd":

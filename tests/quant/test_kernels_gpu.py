@@ -178,6 +178,27 @@ def test_nvfp4_moe_config_variants(cfg):
     _assert_bound(y, ref, absref, k, f"config {cfg}")
 
 
+DGRAD_VARIANTS = {  # candidates for many tokens (scripts/bench_expert_gemm.py --variants times them)
+    "BM256_BN64": dict(BM=256, BK=128, BN=64, num_warps=8, num_stages=3, SWAP=False),
+    "BM256_BN128_st2": dict(BM=256, BK=128, BN=128, num_warps=8, num_stages=2, SWAP=False),
+    "BM128_BN64": dict(BM=128, BK=128, BN=64, num_warps=8, num_stages=3, SWAP=False),
+}
+
+
+@pytest.mark.parametrize("name", list(DGRAD_VARIANTS))
+def test_nvfp4_moe_dgrad_config_variants(name):
+    gen = torch.Generator(device=DEV).manual_seed(22)
+    e, n, k = 4, 256, 512
+    packed, scale, gs = _nvfp4_stack(e, n, k, gen)
+    offsets = _offsets_from_counts([300, 17, 0, 600])
+    dy = torch.randn(917, n, device=DEV, dtype=BF16, generator=gen)
+    ref = _ref_dgrad(dy, packed, scale, gs, offsets)
+    absref = _ref_dgrad(dy.abs(), *_abs_stack(packed, scale), gs, offsets)
+    out = torch.full((dy.shape[0], k), float("nan"), dtype=BF16, device=DEV)
+    dx = moe._launch_dgrad(dy, packed, scale, gs, offsets, out=out, config=DGRAD_VARIANTS[name])
+    _assert_bound(dx, ref, absref, n, f"dgrad config {name}")
+
+
 def test_nvfp4_moe_skewed_and_empty():
     """Everything on few experts (one takes > half the rows), most experts empty, first and last
     expert empty, and an all-empty call."""
