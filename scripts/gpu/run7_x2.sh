@@ -6,13 +6,9 @@
 #  2) on both GPUs: the same 2-layer step on 2 ranks (4 x 16K tokens per rank, base sharded: weak scaling 1 -> 2),
 #     then all 60 layers at full width with 16 experts per layer (the code path at full depth; 128 experts need
 #     >= 4 GPUs).
-# Through the device tool from the repo root (carry .whl): bash scripts/gpu_run7_x2.sh
-set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD" M3RL_TINY_MODEL_CACHE=/tmp/m3cache
-OUT="${OUT:-results/gpu/run7_x2}"; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-run() { local name=$1 limit=$2; shift 2; local t=$(date +%s); timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "$name rc=$? $(( $(date +%s) - t ))s" | tee -a "$OUT/summary.log"; }
-P="python3 -m pytest -m gpu -q -p no:cacheprovider -p no:logging"
+# Ran as scripts/gpu_run7_x2.sh before the move. Through the device tool from the repo root
+# (carry .whl): bash scripts/gpu/run7_x2.sh
+source "$(dirname "$0")/lib.sh"
 STEP="scripts/train_step_m3.py --layers 2 --seq-len 16384 --seqs-per-rank 4 --steps 2"
 ( export CUDA_VISIBLE_DEVICES=0
   run kernel_tests 60 $P tests/quant/test_kernels_gpu.py tests/rl/test_msa_triton.py
