@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from rl import msa  # noqa: E402
 
 BLOCK_KEYS = msa.BLOCK
-SWEEP = [(2, 4, 3), (4, 4, 3), (4, 8, 3), (4, 4, 2), (8, 4, 3), (8, 8, 3)]  # (tokens per group, warps, stages)
+SWEEP = [(2, 4, 3), (4, 4, 3), (8, 4, 2), (8, 4, 1), (8, 8, 2)]  # (tokens per group, warps, stages)
 
 
 def parse_args():

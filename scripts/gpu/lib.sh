@@ -8,3 +8,5 @@ OUT="${OUT:-results/gpu/$(basename "$0" .sh)}"; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 run() { local name=$1 limit=$2; shift 2; local t=$(date +%s); timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "$name rc=$? $(( $(date +%s) - t ))s" | tee -a "$OUT/summary.log"; }
 P="python3 -m pytest -m gpu -q -p no:cacheprovider -p no:logging"
+# The device tool returns at most 8 files: keep summary.log and the JSON results, pack the logs into one archive.
+pack_logs() { (cd "$OUT" && tar czf logs.tgz $(ls *.log | grep -v '^summary.log$') && rm -f $(ls *.log | grep -v '^summary.log$')); }
