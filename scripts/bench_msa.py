@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from rl import msa  # noqa: E402
 
 BLOCK_KEYS = msa.BLOCK
-SWEEP = [(2, 4, 3), (4, 4, 3), (8, 4, 2), (8, 4, 1), (8, 8, 2)]  # (tokens per group, warps, stages)
+SWEEP = [(1, 4, 3), (2, 4, 3), (2, 4, 4), (2, 8, 3), (4, 4, 3)]  # (tokens per group, warps, stages)
 
 
 def parse_args():
@@ -121,7 +121,7 @@ def bench_length(total, args, device, dtype, gen):
     if args.impl == "triton":
         from rl import msa_triton
 
-        plan = msa_triton.build_plan(ids, cu, max(1, min(8, 64 // (args.hq // args.hkv))))
+        plan = msa_triton.build_plan(ids, cu, max(1, min(8, 32 // (args.hq // args.hkv))))  # msa_triton's default
         row["union"] = {"mean_per_group": plan.count.float().mean().item(), "max_per_group": int(plan.count.max()),
                         "tokens_per_group": plan.tokens_per_group, "topk": args.topk,
                         "dkdv_programs": plan.chunk_kb.numel()}
