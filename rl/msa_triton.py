@@ -4,7 +4,7 @@ Same contract as `rl.msa.sparse_attention` (q [T, Hq, D], k/v [T, Hkv, D], block
 128-token blocks, -1 = empty, causal inside the sequence). FlexAttention needs one key-tile list per 128-query tile,
 i.e. the union of 128 queries' selections, which approaches the whole prefix when neighbouring queries disagree
 (results/gpu/bench_msa.json: 118 of 128 visible tiles at 32K). Here the unit of work is a *group* of TT consecutive
-tokens of one KV head, all its G = Hq/Hkv query heads as the rows of one tile (TT * G rows; 2 * 16 = 32 for M3): the
+tokens of one KV head, all its G = Hq/Hkv query heads as the rows of one tile (TT * G rows; 1 * 16 = 16 for M3): the
 group visits only the union of its TT tokens' blocks, and a row masks the keys of blocks its token did not select.
 
 Kernels (fp32 accumulation, bf16 operands, probabilities rounded to bf16 before P@V and dS before dS@K/dS^T@Q, as
@@ -351,9 +351,10 @@ def sparse_attention(q, k, v, block_ids, cu_seqlens, scale: float, tokens_per_gr
                      num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
     """`rl.msa.sparse_attention` semantics (validated ids expected); differentiable in q, k, v."""
     g = q.shape[1] // k.shape[1]
-    # 32-row tiles (2 tokens x 16 heads for M3): the smaller union beats the bigger tile from 16K tokens up
-    # (results/gpu/run8/bench_msa.json sweep: 114 vs 127 ms at 32K, 237 vs 278 ms at 64K; 4K: 11.1 vs 9.8 ms)
-    tt = tokens_per_group or max(1, min(8, 32 // g))
+    # 16-row tiles (1 token x 16 heads for M3): from 16K tokens up the smaller union beats the bigger tile
+    # (results/gpu/run9/bench_msa.json sweep, fwd+bwd, 1 / 2 / 4 tokens per group: 98 / 113 / 126 ms at 32K,
+    # 196 / 237 / 275 ms at 64K; at 4K 12.9 / 12.0 / 11.7 ms)
+    tt = tokens_per_group or max(1, min(8, 16 // g))
     plan = build_plan(block_ids, cu_seqlens, tt)
     if num_stages is None:  # fp32 tiles take twice the shared memory: no software pipelining (H200: 227 KB)
         num_stages = 1 if q.dtype == torch.float32 else 3

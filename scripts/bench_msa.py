@@ -121,7 +121,7 @@ def bench_length(total, args, device, dtype, gen):
     if args.impl == "triton":
         from rl import msa_triton
 
-        plan = msa_triton.build_plan(ids, cu, max(1, min(8, 32 // (args.hq // args.hkv))))  # msa_triton's default
+        plan = msa_triton.build_plan(ids, cu, max(1, min(8, 16 // (args.hq // args.hkv))))  # msa_triton's default
         row["union"] = {"mean_per_group": plan.count.float().mean().item(), "max_per_group": int(plan.count.max()),
                         "tokens_per_group": plan.tokens_per_group, "topk": args.topk,
                         "dkdv_programs": plan.chunk_kb.numel()}
