@@ -158,45 +158,30 @@ def test_nvfp4_moe_small(e, n, k, counts, decoder):
     _check_moe(x, packed, scale, gs, offsets, decoder, f"E{e} N{n} K{k} {decoder}")
 
 
-@pytest.mark.parametrize(
-    "cfg",
-    [moe.LARGE_M_CONFIG_BM256, dict(BM=32, BN=128, BK=128, num_warps=4, num_stages=4)],
-    ids=["BM256", "BM32"],
-)
-def test_nvfp4_moe_config_variants(cfg):
-    """Forward tile configs offered beside the defaults (BM=256 measured faster at many tokens;
-    BM=32 for ~16 rows per expert)."""
+CONFIG_VARIANTS = {  # tile configs beside the defaults (scripts/bench_expert_gemm.py --variants times them)
+    "fwd_BM256": ("fwd", moe.LARGE_M_CONFIG_BM256),  # the default at many tokens since run 7
+    "fwd_BM32": ("fwd", dict(BM=32, BN=128, BK=128, num_warps=4, num_stages=4)),  # ~16 rows per expert
+    "dgrad_BM256_BN64": ("dgrad", dict(BM=256, BK=128, BN=64, num_warps=8, num_stages=3, SWAP=False)),
+    "dgrad_BM256_BN128_st2": ("dgrad", dict(BM=256, BK=128, BN=128, num_warps=8, num_stages=2, SWAP=False)),
+    "dgrad_BM128_BN64": ("dgrad", dict(BM=128, BK=128, BN=64, num_warps=8, num_stages=3, SWAP=False)),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIG_VARIANTS))
+def test_nvfp4_moe_config_variants(name):
+    direction, cfg = CONFIG_VARIANTS[name]
     gen = torch.Generator(device=DEV).manual_seed(21)
     e, n, k = 4, 256, 512
     packed, scale, gs = _nvfp4_stack(e, n, k, gen)
     offsets = _offsets_from_counts([300, 17, 0, 600])
-    x = torch.randn(917, k, device=DEV, dtype=BF16, generator=gen)
-    ref = _ref_fwd(x, packed, scale, gs, offsets)
-    absref = _ref_fwd(x.abs(), *_abs_stack(packed, scale), gs, offsets)
-    out = torch.full((x.shape[0], n), float("nan"), dtype=BF16, device=DEV)
-    y = moe._launch_fwd(x, packed, scale, gs, offsets, out=out, config=cfg)
-    _assert_bound(y, ref, absref, k, f"config {cfg}")
-
-
-DGRAD_VARIANTS = {  # candidates for many tokens (scripts/bench_expert_gemm.py --variants times them)
-    "BM256_BN64": dict(BM=256, BK=128, BN=64, num_warps=8, num_stages=3, SWAP=False),
-    "BM256_BN128_st2": dict(BM=256, BK=128, BN=128, num_warps=8, num_stages=2, SWAP=False),
-    "BM128_BN64": dict(BM=128, BK=128, BN=64, num_warps=8, num_stages=3, SWAP=False),
-}
-
-
-@pytest.mark.parametrize("name", list(DGRAD_VARIANTS))
-def test_nvfp4_moe_dgrad_config_variants(name):
-    gen = torch.Generator(device=DEV).manual_seed(22)
-    e, n, k = 4, 256, 512
-    packed, scale, gs = _nvfp4_stack(e, n, k, gen)
-    offsets = _offsets_from_counts([300, 17, 0, 600])
-    dy = torch.randn(917, n, device=DEV, dtype=BF16, generator=gen)
-    ref = _ref_dgrad(dy, packed, scale, gs, offsets)
-    absref = _ref_dgrad(dy.abs(), *_abs_stack(packed, scale), gs, offsets)
-    out = torch.full((dy.shape[0], k), float("nan"), dtype=BF16, device=DEV)
-    dx = moe._launch_dgrad(dy, packed, scale, gs, offsets, out=out, config=DGRAD_VARIANTS[name])
-    _assert_bound(dx, ref, absref, n, f"dgrad config {name}")
+    fwd = direction == "fwd"
+    reference, launch = (_ref_fwd, moe._launch_fwd) if fwd else (_ref_dgrad, moe._launch_dgrad)
+    inp = torch.randn(917, k if fwd else n, device=DEV, dtype=BF16, generator=gen)
+    ref = reference(inp, packed, scale, gs, offsets)
+    absref = reference(inp.abs(), *_abs_stack(packed, scale), gs, offsets)
+    out = torch.full((inp.shape[0], n if fwd else k), float("nan"), dtype=BF16, device=DEV)
+    got = launch(inp, packed, scale, gs, offsets, out=out, config=cfg)
+    _assert_bound(got, ref, absref, k if fwd else n, f"config {name}")
 
 
 def test_nvfp4_moe_skewed_and_empty():
