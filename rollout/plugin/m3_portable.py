@@ -22,16 +22,21 @@ from vllm.models.minimax_m3.common.sparse_attention import MiniMaxM3SparseTriton
 from rollout.plugin import portable_ops as P  # noqa: E402
 
 
+def decode_rows(md, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """All decode tokens of a decode-first batch at once: (each token's request rows [T, L, ...] from the paged
+    `cache`, zero past the request's length; absolute positions [T]). Decode requests share `decode_query_len`."""
+    d, r = md.decode, md.num_decodes
+    q, seq_lens = d.decode_query_len, d.seq_lens[:r].long()
+    positions = (seq_lens[:, None] - q + torch.arange(q)[None, :]).reshape(-1)
+    rows = P.gather_batch_rows(cache, d.block_table[:r], seq_lens)
+    return rows.repeat_interleave(q, dim=0) if q > 1 else rows, positions
+
+
 def iter_request_tokens(md) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
-    """(token slice, block-table row, absolute query positions) per request of a decode-first batch.
+    """(token slice, block-table row, absolute query positions) per prefill request of a decode-first batch.
 
     Works for both the indexer and the sparse-attention metadata (same field names)."""
     nd = md.num_decode_tokens
-    if md.num_decodes > 0:
-        d = md.decode
-        q = d.decode_query_len
-        for r, seq_len in enumerate(d.seq_lens[: md.num_decodes].tolist()):
-            yield slice(r * q, (r + 1) * q), d.block_table[r], torch.arange(seq_len - q, seq_len)
     if md.num_prefills > 0:
         p = md.prefill
         cu = p.cu_seqlens_q.tolist()
@@ -54,12 +59,16 @@ class PortableIndexerImpl(MiniMaxM3IndexerTritonImpl):
         n = md.num_actual_tokens
         iq = index_query[:n].view(-1, self.num_index_heads, self.index_head_dim)
         out = self.topk_indices_buffer[:n].transpose(0, 1)  # [H, T, topk], a view of the shared buffer
+        nd = md.num_decode_tokens
+        if md.num_decodes > 0:
+            keys, positions = decode_rows(md, self.index_cache.kv_cache)
+            out[:, :nd, :].copy_(P.index_block_topk(iq[:nd], keys, positions, self.topk_blocks, self.init_blocks,
+                                                    self.local_blocks))
         for sl, block_row, positions in iter_request_tokens(md):
             keys = P.gather_request_rows(self.index_cache.kv_cache, block_row, int(positions[-1]) + 1)
             ids = P.index_block_topk(iq[sl], keys, positions, self.topk_blocks, self.init_blocks,
                                      self.local_blocks)
             out[:, sl, :].copy_(ids)
-        nd = md.num_decode_tokens
         return (out[:, :nd] if md.num_decodes else None), (out[:, nd:n] if md.num_prefills else None)
 
 
@@ -83,6 +92,12 @@ class PortableSparseImpl(MiniMaxM3SparseTritonImpl):
         q = query[:n].view(-1, self.num_heads, hd)
         out = output[:n].view(-1, self.num_heads, hd)
         token_major = kv_cache.transpose(1, 2)  # [blocks, block, Hkv, 2*hd]
+        nd = md.num_decode_tokens
+        if md.num_decodes > 0:
+            kv, positions = decode_rows(md, token_major)  # [T, L, Hkv, 2*hd]
+            kv = kv.transpose(1, 2)
+            out[:nd] = P.block_sparse_attention(q[:nd], kv[..., :hd], kv[..., hd:], topk[:, :nd], positions,
+                                                self.scale)
         for sl, block_row, positions in iter_request_tokens(md):
             kv = P.gather_request_rows(token_major, block_row, int(positions[-1]) + 1).transpose(0, 1)
             out[sl] = P.block_sparse_attention(q[sl], kv[..., :hd], kv[..., hd:], topk[:, sl], positions,

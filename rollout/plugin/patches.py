@@ -211,6 +211,17 @@ def _patch_cpu_quantized() -> None:
     quantized.install()
 
 
+# --- LoRA on CPU: vLLM's torch Punica ops gather a weight matrix per token; run one GEMM per adapter slot instead.
+def _patch_cpu_punica_ops() -> None:
+    from vllm.lora.punica_wrapper import punica_cpu as wrapper
+
+    from rollout.plugin import punica_cpu
+
+    for name in punica_cpu.OPS:
+        getattr(wrapper, name)  # the wrapper imports each op by name: fail loudly if one is gone
+        setattr(wrapper, name, getattr(punica_cpu, name))
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch("m3_processor_without_torchvision", ("0.32.0", "0.33.0"),
           lambda: importlib.util.find_spec("torchvision") is None, _import_m3_processor_without_torchvision),
@@ -223,6 +234,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch("m3_lora", ("0.32.0", "0.33.0"), lambda: True, _register_m3_lora),
     Patch("cpu_nvfp4_kv_cache", ("0.32.0",), _is_cpu, _patch_nvfp4_kv_cache),
     Patch("cpu_quantized_nvfp4_mxfp8", ("0.32.0",), _is_cpu, _patch_cpu_quantized),
+    Patch("cpu_punica_grouped_lora", ("0.32.0",), _is_cpu, _patch_cpu_punica_ops),
 )
 
 

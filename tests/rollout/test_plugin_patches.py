@@ -57,3 +57,39 @@ def test_needed_patch_for_another_release_is_refused(monkeypatch):
     patch = patches.Patch("future_op", ("0.99.0",), lambda: True, lambda: None)
     with pytest.raises(RuntimeError, match="'future_op' is needed on this machine but was written for vLLM"):
         patches.apply_patch(patch)
+
+
+def test_cpu_punica_ops_are_grouped_and_match_vllms_torch_ops():
+    """The grouped ops give vLLM's own torch ops' results (one GEMM per slot instead of per-token gathers), and
+    tokens without an adapter (-1) get no delta, where vLLM's torch ops read the last slot."""
+    rollout.plugin.register()
+    from vllm.lora.ops import torch_ops as vllm_ops
+    from vllm.lora.punica_wrapper import punica_cpu as wrapper
+
+    from rollout.plugin import punica_cpu
+
+    assert all(getattr(wrapper, name) is getattr(punica_cpu, name) for name in punica_cpu.OPS)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 16, generator=g)
+    a = torch.randn(3, 1, 4, 16, generator=g)  # [slots, 1, rank, in]
+    b = torch.randn(3, 1, 10, 4, generator=g)  # [slots, 1, out, rank]
+    idx = torch.tensor([0, 2, 2, 1, 0, 2, 1])
+    for mine, theirs in ((punica_cpu.bgmv_shrink, vllm_ops.bgmv_shrink),):
+        y0, y1 = torch.zeros(7, 4), torch.zeros(7, 4)
+        mine(x, a, y0, idx, 0.5)
+        theirs(x, a, y1, idx, 0.5)
+        torch.testing.assert_close(y0, y1, rtol=1e-6, atol=1e-6)
+    h = torch.randn(7, 4, generator=g)
+    for add in (True, False):
+        y0, y1 = torch.ones(7, 30), torch.ones(7, 30)
+        punica_cpu.bgmv_expand_slice(h, b, y0, idx, 12, 10, add)
+        vllm_ops.bgmv_expand_slice(h, b, y1, idx, 12, 10, add)
+        torch.testing.assert_close(y0, y1, rtol=1e-6, atol=1e-6)
+        y0, y1 = torch.ones(7, 10), torch.ones(7, 10)
+        punica_cpu.sgmv_expand(h, b, y0, None, torch.tensor([3, 4]), torch.tensor([1, 0]), 2, 4, 7, add)
+        vllm_ops.sgmv_expand(h, b, y1, None, torch.tensor([3, 4]), torch.tensor([1, 0]), 2, 4, 7, add)
+        torch.testing.assert_close(y0, y1, rtol=1e-6, atol=1e-6)
+    y = torch.full((7, 4), 9.0)
+    punica_cpu.sgmv_shrink(x, a, y, None, torch.tensor([3, 4]), torch.tensor([-1, 2]), 2, 4, 7, 1.0)
+    assert (y[:3] == 0).all()
+    torch.testing.assert_close(y[3:], x[3:] @ a[2, 0].t())
