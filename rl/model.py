@@ -244,8 +244,8 @@ class MoE(nn.Module):
 
     def _grouped(self, x, weights, ids):
         """GPU path: all routed experts in two grouped GEMMs, tokens sorted by expert: NVFP4 (quant.kernels, the
-        same serving form as the per-expert loop) or, for the bf16 base, torch._grouped_mm. LoRA per expert on its
-        contiguous rows."""
+        same serving form as the per-expert loop) or, for the bf16 base, torch._grouped_mm. Expert LoRA in grouped
+        GEMMs over the same offsets (rl.lora.grouped_lora_delta)."""
         from quant.kernels import nvfp4_moe_linear, sort_by_expert
 
         e = self.experts
@@ -261,13 +261,12 @@ class MoE(nn.Module):
                 return torch._grouped_mm(inp, getattr(e, name).transpose(1, 2), offs=offsets[1:])
         gate_up = linear(xs, "w13")
         lora = getattr(e, "lora", None)
-        bounds = offsets.tolist()
         if lora is not None:
-            gate_up = gate_up + torch.cat([lora.gate_up(xs[a:b], i) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))])
+            gate_up = gate_up + lora.gate_up_grouped(xs, offsets)
         act = swigluoai_uninterleave(gate_up, self.alpha, self.limit, self.beta)
         y = linear(act, "w2")
         if lora is not None:
-            y = y + torch.cat([lora.down(act[a:b], i) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))])
+            y = y + lora.down_grouped(act, offsets)
         return weighted_sum(y, weights.reshape(-1)[order], tok, x.shape[0]).to(x.dtype)
 
 
