@@ -22,13 +22,39 @@ def _cuda_sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
+@functools.lru_cache(maxsize=None)
+def _probe(index: int) -> bool:
+    """Both call forms of torch._grouped_mm agree with the loop on this GPU (uneven and empty groups included);
+    a torch whose kernel refuses or miscomputes them makes the callers take the loop instead of failing."""
+    import warnings
+
+    dev = torch.device("cuda", index)
+    g = torch.Generator(device=dev).manual_seed(0)
+    offsets = torch.tensor([0, 3, 3, 40, 41, 72], dtype=torch.int32, device=dev)
+    a = torch.randn(72, 64, device=dev, generator=g).bfloat16()
+    b = torch.randn(5, 32, 64, device=dev, generator=g).bfloat16()
+    c = torch.randn(72, 48, device=dev, generator=g).bfloat16()
+    try:
+        pairs = [(grouped_mm(a, b.transpose(1, 2), offsets, "torch"), grouped_mm(a, b.transpose(1, 2), offsets, "loop")),
+                 (grouped_mm_t(a, c, offsets, "torch"), grouped_mm_t(a, c, offsets, "loop"))]
+        ok = all(bool(((x.float() - y.float()).norm() <= 1e-2 * y.float().norm()).item()) for x, y in pairs)
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        warnings.warn(f"torch._grouped_mm unusable here ({exc}); grouped GEMMs loop over groups", stacklevel=2)
+        return False
+    if not ok:
+        warnings.warn("torch._grouped_mm disagrees with the loop here; grouped GEMMs loop over groups", stacklevel=2)
+    return ok
+
+
 def torch_grouped_mm_ok(*tensors: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm``'s fast path takes these operands (bf16 on an sm90+ GPU)."""
+    """Whether ``torch._grouped_mm``'s fast path takes these operands (bf16 on an sm90+ GPU where it checks out)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     t = tensors[0]
-    return (t.is_cuda and all(x.dtype == torch.bfloat16 for x in tensors)
-            and _cuda_sm90(t.device.index if t.device.index is not None else torch.cuda.current_device()))
+    if not (t.is_cuda and all(x.dtype == torch.bfloat16 for x in tensors)):
+        return False
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return _cuda_sm90(index) and _probe(index)
 
 
 def _use_torch(impl: str, *tensors) -> bool:
