@@ -458,8 +458,10 @@ def _launch_dgrad(dy, packed, scale, gs, offsets, out=None, config=None, decoder
 
 
 # Rows per expert (average) from which a direction decodes the weights to bf16 once per call and runs cuBLAS
-# (quant.kernels.nvfp4_dequant) instead of the fused kernels; measured on the H200 (results/gpu/run11).
-DEQUANT_MIN_ROWS = {"fwd": 256, "dgrad": 64}
+# (quant.kernels.nvfp4_dequant) instead of the fused kernels. Measured on the H200, all 128 M3 experts, gate_up +
+# down (results/gpu/run11/bench_expert.json): forward kernel 16.5 ms vs decode 17.9 at 512 rows (16K tokens), 29.4
+# vs 28.6 at 1024; input gradient kernel 13.2 vs decode 13.5 at 256 rows, 23.7 vs 17.9 at 512, 45.1 vs 28.4 at 1024.
+DEQUANT_MIN_ROWS = {"fwd": 768, "dgrad": 384}
 
 
 def _pick(impl, m, num_experts, direction):

@@ -11,19 +11,22 @@
 # The device tool returns at most 8 files: logs go into logs.tgz, and the JSON results into results.tgz when
 # there are more than 6 of them. The last lines printed are the summary (tokens/s, MFU, memory, time split).
 source "$(dirname "$0")/lib.sh"
+BUDGET=${RUN_BUDGET_S:-100000}  # seconds for all steps: a step starts only with time left, and is cut to it
+lim() { local left=$(( BUDGET - SECONDS )); (( left < $1 )) && echo "$left" || echo "$1"; }
 for step in "$@"; do
+  if (( BUDGET - SECONDS < 30 )); then echo "$step skipped: out of RUN_BUDGET_S" | tee -a "$OUT/summary.log"; continue; fi
   case "$step" in
     tests)
-      M3RL_GPU_REPORT="$OUT/trainer_gpu.json" run tests 260 $P tests/quant/test_kernels_gpu.py tests/rl/test_trainer_gpu.py ;;
+      M3RL_GPU_REPORT="$OUT/trainer_gpu.json" run tests "$(lim 260)" $P tests/quant/test_kernels_gpu.py tests/rl/test_trainer_gpu.py ;;
     bench_expert)
-      run bench_expert 220 python3 scripts/bench_expert_gemm.py --lora-loop --out "$OUT/bench_expert.json" ;;
+      run bench_expert "$(lim 220)" python3 scripts/bench_expert_gemm.py --lora-loop --out "$OUT/bench_expert.json" ;;
     bench_mxfp8)
-      run bench_mxfp8 100 python3 scripts/bench_mxfp8_linear.py --trainer --out "$OUT/bench_mxfp8.json" ;;
+      run bench_mxfp8 "$(lim 100)" python3 scripts/bench_mxfp8_linear.py --trainer --out "$OUT/bench_mxfp8.json" ;;
     slice:*)
       IFS=: read -r _ layers seqs base prof chunk <<< "$step"
       p=${prof:-0}; chunk=${chunk:-16384}
       name="slice${layers}x${seqs}_${base}$([ "$chunk" != 16384 ] && echo "_c$chunk")"
-      run "$name" 240 torchrun --nproc-per-node 1 scripts/train_step_m3.py --layers "$layers" --seq-len 16384 \
+      run "$name" "$(lim 240)" torchrun --nproc-per-node 1 scripts/train_step_m3.py --layers "$layers" --seq-len 16384 \
           --seqs-per-rank "$seqs" --steps 2 --base "$base" --shard-base 0 --moe-chunk-tokens "$chunk" --profile "$p" \
           --out "$OUT/$name.json" ;;
     *) echo "unknown step $step" | tee -a "$OUT/summary.log" ;;
