@@ -42,6 +42,10 @@ splits the ~16-30 rows of most experts into two tiles, decoding the weights twic
 380 TFLOP/s with BM=128; the BM=256 tile (the default there) 19.5 + 10.1 = 29.6 ms at 32768 tokens
 (about 500 TFLOP/s).
 
+Run 11 (results/gpu/run11/bench_expert.json) re-measured these: 1.97 / 3.36 / 6.63 / 29.4 ms forward and 2.00 /
+3.35 / 7.84 / 45.1 ms input gradient at 64 / 512 / 4096 / 32768 tokens. From DEQUANT_MIN_ROWS rows per expert on,
+``nvfp4_moe_linear`` takes the bf16 decode + cuBLAS path of ``nvfp4_dequant`` instead (28.6 / 28.4 ms at 32768).
+
 Triton is imported only when a kernel is first launched on a CUDA tensor; on CPU, or without
 Triton, ``nvfp4_moe_linear`` runs ``nvfp4_moe_linear_reference`` (a loop over experts through
 ``quant.serving``).
