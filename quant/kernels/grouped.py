@@ -35,7 +35,8 @@ def _probe(index: int) -> bool:
     b = torch.randn(5, 32, 64, device=dev, generator=g).bfloat16()
     c = torch.randn(72, 48, device=dev, generator=g).bfloat16()
     try:
-        pairs = [(grouped_mm(a, b.transpose(1, 2), offsets, "torch"), grouped_mm(a, b.transpose(1, 2), offsets, "loop")),
+        bt = b.transpose(1, 2)
+        pairs = [(grouped_mm(a, bt, offsets, "torch"), grouped_mm(a, bt, offsets, "loop")),
                  (grouped_mm_t(a, c, offsets, "torch"), grouped_mm_t(a, c, offsets, "loop"))]
         ok = all(bool(((x.float() - y.float()).norm() <= 1e-2 * y.float().norm()).item()) for x, y in pairs)
     except (RuntimeError, NotImplementedError, TypeError) as exc:

@@ -1,7 +1,7 @@
 """quant.kernels.nvfp4_dequant on CPU: the Triton decode under Triton's interpreter (a subprocess with the
 interpreter-only Triton of scripts/install/setup_env.sh on its path) is bit-identical to quant.serving.nvfp4_weight
 on every code and scale byte (subnormal and NaN scales too); the per-expert chunked GEMM loop (chunks, empty experts,
-forward and input gradient) matches the reference expert loop. The CUDA run of both is in tests/quant/test_kernels_gpu.py.
+forward and input gradient) matches the reference expert loop. Their CUDA runs: tests/quant/test_kernels_gpu.py.
 """
 
 import json
