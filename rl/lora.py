@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from quant.kernels.grouped import grouped_mm, grouped_mm_t
+
 PEFT_PREFIX = "base_model.model."
 
 
@@ -88,6 +90,54 @@ class ExpertLoRA(nn.Module):
 
     def down(self, x: torch.Tensor, e: int) -> torch.Tensor:
         return lora_delta(x, self.down_A[e], self.down_B[e], self.scaling)
+
+    def gate_up_grouped(self, x: torch.Tensor, offsets: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+        """Every expert's gate_up delta at once: x [R, H] sorted by expert, rows of e at offsets[e]:offsets[e+1]."""
+        return grouped_lora_delta(x, self.gate_up_A, self.gate_up_B, offsets, self.scaling, impl)
+
+    def down_grouped(self, x: torch.Tensor, offsets: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+        return grouped_lora_delta(x, self.down_A, self.down_B, offsets, self.scaling, impl)
+
+
+class _GroupedLoRADelta(torch.autograd.Function):
+    """lora_delta for all experts in four grouped GEMMs (forward) and four more (backward), instead of a Python
+    loop over experts whose per-expert parameter slices cost a full-size zero gradient each in backward.
+
+    Same operands and rounding points as lora_delta: A and B*scaling enter in x's dtype (what vLLM serves the
+    adapter in), the shrink accumulates in fp32 and is rounded once to x's dtype, then the expand. With fp32 LoRA
+    masters A is rounded to x's dtype here, where lora_delta multiplies the fp32 master (a 2^-9 relative change of
+    A, inside the bf16 rounding of the shrink's output); the gradients reach the masters in their dtype."""
+
+    @staticmethod
+    def forward(ctx, x, a, b, offsets, scaling, impl):  # noqa: D102
+        dt = x.dtype
+        ac = a.to(dt)
+        bs = (b.to(dt) * scaling).to(dt)
+        h = grouped_mm(x, ac.transpose(1, 2), offsets, impl)
+        y = grouped_mm(h, bs.transpose(1, 2), offsets, impl)
+        ctx.save_for_backward(x, h, ac, bs, offsets)
+        ctx.scaling, ctx.impl, ctx.dtypes = scaling, impl, (a.dtype, b.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):  # noqa: D102
+        x, h, ac, bs, offsets = ctx.saved_tensors
+        impl = ctx.impl
+        gy = gy.to(x.dtype).contiguous()
+        gh = grouped_mm(gy, bs, offsets, impl)
+        gx = grouped_mm(gh, ac, offsets, impl) if ctx.needs_input_grad[0] else None
+        ga = grouped_mm_t(gh, x, offsets, impl).to(ctx.dtypes[0]) if ctx.needs_input_grad[1] else None
+        gb = None
+        if ctx.needs_input_grad[2]:
+            gb = (grouped_mm_t(gy, h, offsets, impl) * ctx.scaling).to(ctx.dtypes[1])
+        return gx, ga, gb, None, None, None
+
+
+def grouped_lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, scaling: float,
+                       impl: str = "auto") -> torch.Tensor:
+    """Per-expert LoRA over expert-sorted rows: x [R, in], a [E, r, in], b [E, out, r], offsets [E+1] -> [R, out].
+    impl: quant.kernels.grouped's ("auto": torch._grouped_mm for bf16 on sm90+, else a loop over experts)."""
+    return _GroupedLoRADelta.apply(x.contiguous(), a, b, offsets, scaling, impl)
 
 
 # --- peft format -------------------------------------------------------------------------------------------------

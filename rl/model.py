@@ -205,18 +205,26 @@ class MoE(nn.Module):
             raise ValueError("model.moe_impl='grouped' needs CUDA and bf16")
         return fits and self.impl != "loop"
 
-    def forward(self, x, replay_ids=None):
+    def forward(self, x, replay_ids=None, recompute=False):
+        """recompute: this MoE is the layer's own recompute unit (DecoderLayer.forward's checkpoint_parts): the
+        routed experts (in token chunks) and the shared expert are rebuilt in backward here, not by a layer-wide
+        checkpoint around them."""
         logits = x.float() @ self.gate.t()  # GateLinear: fp32 weights and output
         weights, ids, own = route(logits, self.bias, self.top_k, self.scaling, replay_ids)
         chunk = self.chunk_tokens
-        if chunk and x.shape[0] > chunk and torch.is_grad_enabled():
+        if torch.is_grad_enabled() and (recompute or (chunk and x.shape[0] > chunk)):
             # Each chunk's expert activations are rebuilt in backward, so a long batch holds one chunk's at a time.
-            routed = torch.cat([torch.utils.checkpoint.checkpoint(self._routed, x[a:a + chunk], weights[a:a + chunk],
-                                                                  ids[a:a + chunk], use_reentrant=False)
-                                for a in range(0, x.shape[0], chunk)])
+            step = chunk or x.shape[0]
+            routed = torch.cat([torch.utils.checkpoint.checkpoint(self._routed, x[a:a + step], weights[a:a + step],
+                                                                  ids[a:a + step], use_reentrant=False)
+                                for a in range(0, x.shape[0], step)])
         else:
             routed = self._routed(x, weights, ids)
-        return routed + self.shared_experts(x), own, ids
+        if recompute and torch.is_grad_enabled():
+            shared = torch.utils.checkpoint.checkpoint(self.shared_experts, x, use_reentrant=False)
+        else:
+            shared = self.shared_experts(x)
+        return routed + shared, own, ids
 
     def _routed(self, x, weights, ids):
         """The routed experts' weighted sum, in x's dtype (vLLM: fp32 sum of the scaled expert outputs)."""
@@ -244,8 +252,8 @@ class MoE(nn.Module):
 
     def _grouped(self, x, weights, ids):
         """GPU path: all routed experts in two grouped GEMMs, tokens sorted by expert: NVFP4 (quant.kernels, the
-        same serving form as the per-expert loop) or, for the bf16 base, torch._grouped_mm. LoRA per expert on its
-        contiguous rows."""
+        same serving form as the per-expert loop) or, for the bf16 base, torch._grouped_mm. Expert LoRA in grouped
+        GEMMs over the same offsets (rl.lora.grouped_lora_delta)."""
         from quant.kernels import nvfp4_moe_linear, sort_by_expert
 
         e = self.experts
@@ -261,13 +269,12 @@ class MoE(nn.Module):
                 return torch._grouped_mm(inp, getattr(e, name).transpose(1, 2), offs=offsets[1:])
         gate_up = linear(xs, "w13")
         lora = getattr(e, "lora", None)
-        bounds = offsets.tolist()
         if lora is not None:
-            gate_up = gate_up + torch.cat([lora.gate_up(xs[a:b], i) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))])
+            gate_up = gate_up + lora.gate_up_grouped(xs, offsets)
         act = swigluoai_uninterleave(gate_up, self.alpha, self.limit, self.beta)
         y = linear(act, "w2")
         if lora is not None:
-            y = y + torch.cat([lora.down(act[a:b], i) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))])
+            y = y + lora.down_grouped(act, offsets)
         return weighted_sum(y, weights.reshape(-1)[order], tok, x.shape[0]).to(x.dtype)
 
 
@@ -314,16 +321,29 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(cfg, base, layer, mcfg) if is_moe else MLP(base, f"{p}.mlp", f"{p}.mlp", cfg, mcfg.lora)
         self.is_moe = is_moe
 
-    def forward(self, x, residual, rope, cu_seqlens, positions, replay_ids=None, replay_blocks=None):
+    def _attention_part(self, x, residual, rope, cu_seqlens, positions, replay_blocks):
         if residual is None:
             residual, x = x, _norm(self.input_layernorm, x)
         else:
             x, residual = fused_add_norm(self.input_layernorm, x, residual)
         x, own_blocks, (block_agree, block_replayed) = self.self_attn(x, *rope, cu_seqlens, positions, replay_blocks)
         x, residual = fused_add_norm(self.post_attention_layernorm, x, residual)
+        return x, residual, own_blocks, block_agree, block_replayed
+
+    def forward(self, x, residual, rope, cu_seqlens, positions, replay_ids=None, replay_blocks=None,
+                checkpoint_parts=False):
+        """checkpoint_parts (MoE layers, in training): recompute the attention half under one checkpoint and let
+        the MoE recompute its own parts. A layer-wide checkpoint around chunked experts would run them forward three
+        times (forward, the layer's recompute, each chunk's recompute); this way twice, with the same memory bound."""
+        args = (x, residual, rope, cu_seqlens, positions, replay_blocks)
+        if checkpoint_parts:
+            x, residual, own_blocks, block_agree, block_replayed = torch.utils.checkpoint.checkpoint(
+                self._attention_part, *args, use_reentrant=False)
+        else:
+            x, residual, own_blocks, block_agree, block_replayed = self._attention_part(*args)
         own_ids = used_ids = None
         if self.is_moe:
-            x, own_ids, used_ids = self.mlp(x, replay_ids)
+            x, own_ids, used_ids = self.mlp(x, replay_ids, recompute=checkpoint_parts)
         else:
             x = self.mlp(x)
         return x, residual, (own_blocks, (block_agree, block_replayed), own_ids, used_ids)
@@ -389,7 +409,10 @@ class M3ForTraining(nn.Module):
                 replay_blocks = torch.as_tensor(blocks)[:, self.sparse_layers.index(i)].to(input_ids.device,
                                                                                            torch.int32)
             args = (x, residual, rope, cu_seqlens, positions, replay_ids, replay_blocks)
-            if self.mcfg.activation_checkpointing and torch.is_grad_enabled():
+            if self.mcfg.activation_checkpointing and torch.is_grad_enabled() and layer.is_moe and \
+                    layer.mlp.chunk_tokens:
+                out = layer(*args, checkpoint_parts=True)
+            elif self.mcfg.activation_checkpointing and torch.is_grad_enabled():
                 out = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False)
             else:
                 out = layer(*args)

@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from quant.kernels import nvfp4_dequant as nd  # noqa: E402
 from quant.kernels import nvfp4_moe as moe  # noqa: E402
 
 E, HIDDEN, INTER, TOPK = 128, 6144, 3072, 4
@@ -60,9 +61,54 @@ def grouped_mm_fn(x, w, offs_end, transpose):
         return loop, "per-expert torch.mm loop", loop()
 
 
+def bench_lora(tokens, loop, rep_ms, rank=32):
+    """Expert LoRA (gate_up + down, rank 32, fp32 masters) fwd+bwd on tokens x top-4 routed rows: grouped
+    (rl.lora.grouped_lora_delta, torch._grouped_mm) vs the per-expert loop it replaced; and the bf16 base gate_up
+    _grouped_mm for scale."""
+    from rl.lora import ExpertLoRA, LoRAConfig
+
+    lora = ExpertLoRA(E, HIDDEN, INTER, LoRAConfig(rank=rank, alpha=2 * rank)).cuda()
+    with torch.no_grad():
+        for p in (lora.gate_up_B, lora.down_B):
+            p.normal_(0, 0.01)
+    ids = torch.rand(tokens, E, device="cuda").topk(TOPK, dim=1).indices
+    order, offsets = moe.sort_by_expert(ids, E)
+    m = tokens * TOPK
+    x = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    a = torch.randn(m, INTER, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gu = torch.randn(m, 2 * INTER, device="cuda", dtype=torch.bfloat16)
+    gd = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
+
+    def grouped():
+        lora.gate_up_grouped(x, offsets).backward(gu)
+        lora.down_grouped(a, offsets).backward(gd)
+
+    def per_expert():
+        b = offsets.tolist()
+        torch.cat([lora.gate_up(x[b[i]:b[i + 1]], i) for i in range(E)]).backward(gu)
+        torch.cat([lora.down(a[b[i]:b[i + 1]], i) for i in range(E)]).backward(gd)
+
+    out = {"tokens": tokens, "rows": m, "rank": rank}
+    out["grouped_fwd_bwd_ms"] = round(bench(grouped, rep_ms), 3)
+    w = torch.randn(E, 2 * INTER, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    out["bf16_base_gate_up_fwd_ms"] = round(bench(lambda: torch._grouped_mm(x.detach(), w.transpose(1, 2),
+                                                                            offs=offsets[1:]), rep_ms), 3)
+    if loop:
+        per_expert()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        per_expert()
+        torch.cuda.synchronize()
+        out["loop_fwd_bwd_ms_one_run"] = round((time.perf_counter() - t0) * 1e3, 1)
+    print("LoRA", json.dumps(out), flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", default="64,512,4096,32768")
+    ap.add_argument("--tokens", default="64,512,2048,4096,8192,16384,32768")
+    ap.add_argument("--lora-tokens", type=int, default=65536, help="grouped expert LoRA fwd+bwd at this many tokens")
+    ap.add_argument("--lora-loop", action="store_true", help="also time the per-expert LoRA loop (slow)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--measure-copy", action="store_true")
     ap.add_argument("--variants", action="store_true", help="also time the 'triton' decoder and alt tiles")
@@ -99,7 +145,9 @@ def main():
         counts = (offsets[1:] - offsets[:-1])
         active = int((counts > 0).sum())
         offs_end = offsets[1:].contiguous()
-        total = {"fwd": 0.0, "dgrad": 0.0, "fwd_bf16": 0.0, "dgrad_bf16": 0.0}
+        total = {"fwd": 0.0, "dgrad": 0.0, "fwd_bf16": 0.0, "dgrad_bf16": 0.0, "fwd_dequant": 0.0,
+                 "dgrad_dequant": 0.0, "fwd_dequant_serial": 0.0, "dgrad_dequant_serial": 0.0}
+        bounds, gsh = offsets.tolist(), None
         for name, (n, k) in SHAPES.items():
             packed, scale, gs, wbf = weights[name]
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -107,8 +155,13 @@ def main():
             wbytes = active * n * (k // 2 + k // 16)
             floor_ms = wbytes / (copy_tbps * 1e12) * 1e3
             fl = 2.0 * m * n * k
+            gsh = gs.tolist()
             cases = [("fwd", "nvfp4", None, None)]
             cases.append(("dgrad", "nvfp4", None, None))
+            if t >= 2048:  # decode once to bf16 + cuBLAS per expert (gs as alpha), with and without overlap
+                for direction in ("fwd", "dgrad"):
+                    cases.append((direction, "dequant", None, "dequant"))
+                    cases.append((direction, "dequant_serial", None, "dequant_serial"))
             if args.variants and t in (64, 32768):
                 cases.append(("fwd", "nvfp4[triton decoder]", None, "triton"))
                 cases.append(("dgrad", "nvfp4[triton decoder]", None, "triton"))
@@ -144,7 +197,15 @@ def main():
                     median_ms=round(ms, 4), tflops=round(fl / ms / 1e9, 1), gbps=round(bf_bytes / ms / 1e6, 1),
                 ))
             for direction, label, cfg, dec in cases:
-                if direction == "fwd":
+                if dec in ("dequant", "dequant_serial"):
+                    ov = dec == "dequant"
+                    if direction == "fwd":
+                        fn = (lambda ov=ov: nd.dequant_fwd(x, packed, scale, gsh, bounds, overlap=ov))
+                        act = m * k * 2 + m * n * 2
+                    else:
+                        fn = (lambda ov=ov: nd.dequant_dgrad(dy, packed, scale, gsh, bounds, overlap=ov))
+                        act = m * n * 2 + m * k * 2
+                elif direction == "fwd":
                     fn = (lambda cfg=cfg, dec=dec: moe._launch_fwd(x, packed, scale, gs, offsets, config=cfg, decoder=dec))
                     act = m * k * 2 + m * n * 2
                 else:
@@ -161,6 +222,8 @@ def main():
                     continue
                 if cfg is None and dec is None:
                     total[direction] += ms
+                if dec in ("dequant", "dequant_serial"):
+                    total[f"{direction}_{dec}"] += ms
                 cfg_used = dict(moe.fwd_config(m, E) if direction == "fwd" else moe.dgrad_config(m, E), **(cfg or {}))
                 res["rows"].append(dict(
                     tokens=t, routed_rows=m, gemm=name, direction=direction, impl=label, config=cfg_used,
@@ -173,14 +236,24 @@ def main():
                       f"bf16 {base[direction]:8.3f} ms  x{base[direction] / ms:5.2f}  floor x{ms / floor_ms:5.2f}",
                       flush=True)
             del x, dy
+        auto = {d: total[f"{d}_dequant"] if t >= 2048 and moe._pick(None, m, E, d) == "dequant" else total[d]
+                for d in ("fwd", "dgrad")}
         res.setdefault("totals", []).append(dict(
-            tokens=t, expert_fwd_ms=round(total["fwd"], 4), expert_fwd_bf16_ms=round(total["fwd_bf16"], 4),
+            tokens=t, auto_fwd_ms=round(auto["fwd"], 4), auto_dgrad_ms=round(auto["dgrad"], 4),
+            auto_fwd_vs_bf16=round(total["fwd_bf16"] / auto["fwd"], 3),
+            auto_dgrad_vs_bf16=round(total["dgrad_bf16"] / auto["dgrad"], 3),
+            dequant_fwd_ms=round(total["fwd_dequant"], 4), dequant_dgrad_ms=round(total["dgrad_dequant"], 4),
+            dequant_serial_fwd_ms=round(total["fwd_dequant_serial"], 4),
+            dequant_serial_dgrad_ms=round(total["dgrad_dequant_serial"], 4),
+            expert_fwd_ms=round(total["fwd"], 4), expert_fwd_bf16_ms=round(total["fwd_bf16"], 4),
             input_grad_ms=round(total["dgrad"], 4), input_grad_bf16_ms=round(total["dgrad_bf16"], 4),
             input_grad_ratio_vs_bf16=round(total["dgrad_bf16"] / total["dgrad"], 3) if total["dgrad"] else None,
             target_fwd_ms=1.5 if t <= 512 else (28.0 if t == 32768 else None),
         ))
         print(f"T={t}: expert fwd (gate_up+down) {total['fwd']:.3f} ms (bf16 {total['fwd_bf16']:.3f}); "
               f"input grad {total['dgrad']:.3f} ms (bf16 {total['dgrad_bf16']:.3f})", flush=True)
+    if args.lora_tokens:
+        res["lora"] = bench_lora(args.lora_tokens, args.lora_loop, args.rep_ms)
     res["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     text = json.dumps(res, indent=1)
     if args.out:

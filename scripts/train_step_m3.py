@@ -52,6 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--lora-rank", type=int, default=32)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", type=int, choices=(0, 1), default=0,
+                   help="one more step under torch.profiler: GPU time split into expert / attention / projections / "
+                        "LM head / other (forward, recompute and backward together)")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
 
@@ -133,17 +136,145 @@ def make_batch(args, t, rank, device):
     return PackedBatch(ids[:-1], ids[1:], cu, mask, torch.zeros(total), None, None), adv
 
 
-def step(model, optimizer, batch, token_adv, device):
+def step(model, optimizer, batch, token_adv, device, mem=None):
     """One optimizer step. The loss is the token-level REINFORCE form of rl.algorithm's (-A * log pi over response
     tokens, IS weight 1): its cost is nothing next to the model's, and it keeps this launcher free of verl/Hydra,
-    which the GPU machines may lack."""
+    which the GPU machines may lack. mem (CUDA): filled with allocated bytes at the step's phases."""
+    if mem is not None:
+        mem["before_forward"] = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
     lp = model.token_logprobs(batch.input_ids.to(device), batch.cu_seqlens.to(device), batch.targets.to(device))
     mask = batch.response_mask.to(device)
     loss = -(token_adv.to(device) * lp)[mask].sum() / mask.sum()
+    if mem is not None:
+        mem["after_forward"] = torch.cuda.memory_allocated()
+        mem["forward_peak"] = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
     loss.backward()
     optimizer.step()
+    if mem is not None:
+        mem["backward_peak"] = torch.cuda.max_memory_allocated()  # backward and the optimizer step
     optimizer.zero_grad(set_to_none=True)
     return float(loss)
+
+
+PEAK_BF16 = 989.4e12  # H100/H200 SXM dense bf16, datasheet
+MEASURED_BF16 = 790e12  # bf16 GEMM on random data on this workplace's H200 (device README)
+
+
+def model_flops(t: dict, seq_len: int, seqs: int, rank: int) -> dict:
+    """FLOPs of one step that a frozen-base LoRA trainer must do: every base GEMM forward and its input gradient
+    (no weight gradient), MSA over the selected keys (forward; backward counted as twice that), LoRA forward, input
+    and weight gradients; recompute (activation checkpointing) not counted, the indexer's block scores not counted."""
+    h, L = t["hidden_size"], t["num_hidden_layers"]
+    hq, hkv, d = t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
+    sp = t.get("sparse_attention_config") or {}
+    ih, idim = sp.get("sparse_num_index_heads", 0), sp.get("sparse_index_dim", 0)
+    inter, shared, k = t["intermediate_size"], t.get("shared_intermediate_size", 0), t["num_experts_per_tok"]
+    moe = t.get("moe_layer_freq") or [1] * L
+    sparse = sp.get("sparse_attention_freq") or [0] * L
+    keys_cap = sp.get("sparse_topk_blocks", 0) * sp.get("sparse_block_size", 0)
+    pos = torch.arange(seq_len, dtype=torch.float64) + 1
+    # (in, out) of each base linear per token, and whether LoRA adapts it (rl.lora defaults: all of them)
+    attn = [(h, hq * d), (h, hkv * d), (h, hkv * d), (hq * d, h)]
+    index = [(h, ih * idim), (h, idim)]
+    out = {"base_linear": 0.0, "routed_experts": 0.0, "attention": 0.0, "lm_head": 0.0, "lora": 0.0}
+    for layer in range(L):
+        lin = attn + (index if sparse[layer] else [])
+        mlp = [(h, 2 * shared), (shared, h)] if moe[layer] else [(h, 2 * t["dense_intermediate_size"]),
+                                                                   (t["dense_intermediate_size"], h)]
+        experts = [(h, 2 * inter), (inter, h)] * k if moe[layer] else []
+        out["base_linear"] += sum(2 * a * b for a, b in lin + mlp) + (2 * h * t["num_local_experts"] if moe[layer]
+                                                                        else 0)
+        out["routed_experts"] += sum(2 * a * b for a, b in experts)
+        out["lora"] += sum(2 * rank * (a + b) for a, b in lin + mlp + experts)
+        keys = pos.clamp(max=keys_cap) if sparse[layer] else pos
+        out["attention"] += float(4 * hq * d * keys.mean())  # QK^T and PV per token
+    out["lm_head"] = 2 * h * t["vocab_size"]
+    tokens = seq_len * seqs
+    per_token = {key: v * tokens for key, v in out.items()}
+    # frozen base: forward + input gradient; attention: forward + 2x backward; LoRA: forward + input + weight grads
+    total = {"base_linear": 2 * per_token["base_linear"], "routed_experts": 2 * per_token["routed_experts"],
+             "lm_head": 2 * per_token["lm_head"], "attention": 3 * per_token["attention"],
+             "lora": 3 * per_token["lora"]}
+    total["total"] = sum(total.values())
+    return total
+
+
+CATEGORIES = ("expert", "attention", "projections", "lm_head")
+
+
+def _labelled(fn, name):
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        with torch.profiler.record_function(f"m3/{name}"):
+            return fn(*a, **kw)
+    return wrapper
+
+
+def profile_step(model, optimizer, batch, token_adv, device) -> dict:
+    """GPU kernel time of one step by what launched it. Forward and recomputed-forward kernels take the innermost
+    m3/<category> label around the call (routed experts incl. their LoRA; attention incl. MSA and the indexer;
+    projections: every base linear with its LoRA, the shared expert's too; LM head); backward kernels take the label
+    of the forward op whose autograd node ran them (matched by sequence number). Everything else is "other" (norms,
+    routing, SwiGLU, the weighted sum, embedding, the optimizer)."""
+    from quant import serving
+    from rl import lora as lora_mod
+    from rl import model as model_mod
+    from rl import quantized_base
+
+    patches = [(model_mod.MoE, "_routed", "expert"), (model_mod.Attention, "forward", "attention"),
+               (serving.MXFP8Linear, "forward", "projections"), (quantized_base.DenseLinear, "forward", "projections"),
+               (lora_mod.LoRALinear, "forward", "projections"), (model_mod, "_chunk_logprobs", "lm_head")]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    for obj, name, cat in patches:
+        setattr(obj, name, _labelled(getattr(obj, name), cat))
+    try:
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            step(model, optimizer, batch, token_adv, device)
+            torch.cuda.synchronize()
+    finally:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+    t0 = time.perf_counter()
+    events = prof.events()
+
+    def label(e):
+        while e is not None:
+            if e.name.startswith("m3/"):
+                return e.name[3:], None
+            if e.name.startswith("autograd::engine::evaluate_function"):
+                return None, e
+            e = e.cpu_parent
+        return None, None
+
+    fwd_cat, split, device_total = {}, {c: 0.0 for c in (*CATEGORIES, "other", "other_backward")}, 0.0
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CPU and getattr(e, "sequence_nr", -1) >= 0:
+            cat, _ = label(e)
+            if cat is not None:
+                fwd_cat.setdefault((e.thread, e.sequence_nr), cat)
+        elif e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("m3/"):
+            # (the m3/ labels also appear as GPU-side annotation ranges spanning their kernels: not kernels)
+            device_total += e.device_time_total if hasattr(e, "device_time_total") else 0.0
+    attributed = 0.0
+    for e in events:
+        kernels = getattr(e, "kernels", None)
+        if e.device_type != torch.autograd.DeviceType.CPU or not kernels:
+            continue
+        us = sum(k.duration for k in kernels)
+        cat, node = label(e)
+        if cat is None and node is not None:
+            cat = fwd_cat.get((getattr(node, "fwd_thread", node.thread), node.sequence_nr), "other_backward")
+        split[cat or "other"] += us
+        attributed += us
+    return {"gpu_ms": {k: round(v / 1e3, 1) for k, v in split.items()},
+            "attributed_gpu_ms": round(attributed / 1e3, 1), "device_events_gpu_ms": round(device_total / 1e3, 1),
+            "analysis_s": round(time.perf_counter() - t0, 1)}
 
 
 def main(argv=None) -> int:
@@ -165,22 +296,35 @@ def main(argv=None) -> int:
     lora_bytes = local_bytes(params)
     optimizer = torch.optim.AdamW(params, lr=1e-5)
     batch, token_adv = make_batch(args, t, rank, device)
-    times, losses = [], []
+    times, losses, mems = [], [], []
     for i in range(args.warmup_steps + args.steps):
-        if i == args.warmup_steps and cuda:
-            torch.cuda.reset_peak_memory_stats()
+        mem = {} if cuda and i >= args.warmup_steps else None
         sync()
         s0 = time.perf_counter()
-        losses.append(step(model, optimizer, batch, token_adv, device))
+        losses.append(step(model, optimizer, batch, token_adv, device, mem))
         sync()
         times.append(time.perf_counter() - s0)
+        if mem is not None:
+            mems.append(mem)
     timed = times[args.warmup_steps:]
     mine = {"rank": rank, "build_s": round(build_s, 2), "step_s": [round(x, 3) for x in times],
             "base_local_gb": base_bytes / GB, "packed_local_gb": packed_bytes / GB, "lora_local_gb": lora_bytes / GB, "loss": losses,
             "finite": all(map(lambda x: x == x and abs(x) != float("inf"), losses))}
     if cuda:
-        mine.update(peak_allocated_gb=torch.cuda.max_memory_allocated() / GB,
-                    peak_reserved_gb=torch.cuda.max_memory_reserved() / GB)
+        peak = max(max(m["forward_peak"], m["backward_peak"]) for m in mems)
+        mine.update(peak_allocated_gb=peak / GB, peak_reserved_gb=torch.cuda.max_memory_reserved() / GB)
+        m = mems[-1]
+        # Transient = peak - resident weights (frozen base + LoRA); the rest is named by phase.
+        mine["memory_breakdown_gb"] = {
+            "resident_weights": (base_bytes + lora_bytes) / GB,
+            "optimizer_state_and_other_resident": (m["before_forward"] - base_bytes - lora_bytes) / GB,
+            "saved_for_backward_after_forward": (m["after_forward"] - m["before_forward"]) / GB,
+            "forward_working_set_peak": (m["forward_peak"] - m["after_forward"]) / GB,
+            "backward_working_set_peak": (m["backward_peak"] - m["after_forward"]) / GB,
+            "transient_peak": (peak - base_bytes - lora_bytes) / GB,
+        }
+    if args.profile and cuda:
+        mine["time_split"] = profile_step(model, optimizer, batch, token_adv, device)
     ranks = [None] * world
     dist.all_gather_object(ranks, mine)
     if rank == 0:
@@ -197,6 +341,9 @@ def main(argv=None) -> int:
             "settings": {k: v for k, v in vars(args).items() if k not in ("out", "config")},
             "tokens_per_step": tokens, "step_s_median": median,
             "tokens_per_s": tokens / median if median else None,
+            "model_flops": (fl := model_flops(t, args.seq_len, args.seqs_per_rank * world, args.lora_rank)),
+            "mfu_vs_989_tflops": fl["total"] / median / world / PEAK_BF16 if median else None,
+            "mfu_vs_measured_790_tflops": fl["total"] / median / world / MEASURED_BF16 if median else None,
             "peak_allocated_gb_max": max(r.get("peak_allocated_gb", 0) for r in ranks),
             "ranks": ranks,
         }

@@ -3,7 +3,10 @@
 - ``nvfp4_moe``: grouped GEMM over routed experts with packed NVFP4 weights, tokens sorted by expert,
   e2m1 * s decoded in registers, fp32 accumulation, the per-expert global scale on the accumulator
   (W4A16, what Humming/Marlin serve), plus the input-gradient kernel; ``nvfp4_moe_linear`` is the
-  autograd entry point.
+  autograd entry point; from many rows per expert on it decodes the weights to bf16 once per call and runs
+  cuBLAS with the global scale as alpha (``nvfp4_dequant``).
+- ``grouped``: grouped GEMMs over expert-sorted rows (``torch._grouped_mm`` on sm90 bf16, a loop elsewhere), for
+  the experts' LoRA.
 - ``mxfp8_linear``: MXFP8 (W8A16) linear forward and input gradient, either dequant-fused Triton
   kernels or a one-pass dequantize into a bf16 buffer followed by cuBLAS.
 

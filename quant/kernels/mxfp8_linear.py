@@ -16,8 +16,9 @@ Measured on one H200 (torch 2.11, Triton 3.6; results/gpu/bench_mxfp8_linear.jso
 dequant+cuBLAS 0.63-0.64x at 512 tokens (the 0.04 ms dequantize dominates), 0.82-0.84x at 2048,
 0.86-0.94x at 8192-16384, forward and input gradient alike; fused 0.21-0.26x forward and
 0.35-0.45x input gradient (about 195 and 335 TFLOP/s). ``impl=None`` therefore uses "dequant"
-(``AUTO_FUSED_MAX_ROWS = 0``). On CPU (or without Triton) every call runs the ``quant.serving``
-reference.
+(``AUTO_FUSED_MAX_ROWS = 0``). At the trainer's calls (every token of the batch, 64K-131K rows, the
+q/k/v/o, indexer and shared-expert shapes of M3) dequant+cuBLAS is 0.98-1.03x bf16 (results/gpu/run11/
+bench_mxfp8.json). On CPU (or without Triton) every call runs the ``quant.serving`` reference.
 
 Scale bytes 0 and 255 follow ``quant.mxfp8.dequantize`` (2^-127, NaN); products that fall in the
 fp32 subnormal range (scale bytes below ~10) may be flushed to zero by the GPU kernels, which no

@@ -42,6 +42,10 @@ splits the ~16-30 rows of most experts into two tiles, decoding the weights twic
 380 TFLOP/s with BM=128; the BM=256 tile (the default there) 19.5 + 10.1 = 29.6 ms at 32768 tokens
 (about 500 TFLOP/s).
 
+Run 11 (results/gpu/run11/bench_expert.json) re-measured these: 1.97 / 3.36 / 6.63 / 29.4 ms forward and 2.00 /
+3.35 / 7.84 / 45.1 ms input gradient at 64 / 512 / 4096 / 32768 tokens. From DEQUANT_MIN_ROWS rows per expert on,
+``nvfp4_moe_linear`` takes the bf16 decode + cuBLAS path of ``nvfp4_dequant`` instead (28.6 / 28.4 ms at 32768).
+
 Triton is imported only when a kernel is first launched on a CUDA tensor; on CPU, or without
 Triton, ``nvfp4_moe_linear`` runs ``nvfp4_moe_linear_reference`` (a loop over experts through
 ``quant.serving``).
@@ -457,11 +461,36 @@ def _launch_dgrad(dy, packed, scale, gs, offsets, out=None, config=None, decoder
     return out
 
 
+# Rows per expert (average) from which a direction decodes the weights to bf16 once per call and runs cuBLAS
+# (quant.kernels.nvfp4_dequant) instead of the fused kernels. Measured on the H200, all 128 M3 experts, gate_up +
+# down (results/gpu/run11/bench_expert.json): forward kernel 16.5 ms vs decode 17.9 at 512 rows (16K tokens), 29.4
+# vs 28.6 at 1024; input gradient kernel 13.2 vs decode 13.5 at 256 rows, 23.7 vs 17.9 at 512, 45.1 vs 28.4 at 1024.
+DEQUANT_MIN_ROWS = {"fwd": 768, "dgrad": 384}
+
+
+def _pick(impl, m, num_experts, direction):
+    if impl in ("kernel", "dequant"):
+        return impl
+    return "dequant" if m >= DEQUANT_MIN_ROWS[direction] * num_experts else "kernel"
+
+
+def _host(gs, offsets):
+    """The decode scales and offsets on the host, in one sync (offsets < 2^53: exact as doubles)."""
+    vals = torch.cat([gs.double(), offsets.double()]).tolist()
+    e = gs.numel()
+    return vals[:e], [int(v) for v in vals[e:]]
+
+
 class _NVFP4MoELinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, packed, scale, gs, offsets, config, decoder):  # noqa: D102
+    def forward(ctx, x, packed, scale, gs, offsets, config, decoder, impl):  # noqa: D102
         ctx.save_for_backward(packed, scale, gs, offsets)
-        ctx.decoder = decoder
+        ctx.decoder, ctx.impl, ctx.host = decoder, impl, None
+        if _pick(impl, x.shape[0], packed.shape[0], "fwd") == "dequant":
+            from quant.kernels.nvfp4_dequant import dequant_fwd
+
+            ctx.host = _host(gs, offsets)
+            return dequant_fwd(x, packed, scale, *ctx.host)
         return _launch_fwd(x, packed, scale, gs, offsets, config=config, decoder=decoder)
 
     @staticmethod
@@ -469,8 +498,14 @@ class _NVFP4MoELinear(torch.autograd.Function):
         packed, scale, gs, offsets = ctx.saved_tensors
         gx = None
         if ctx.needs_input_grad[0]:
-            gx = _launch_dgrad(grad.to(torch.bfloat16), packed, scale, gs, offsets, decoder=ctx.decoder)
-        return gx, None, None, None, None, None, None
+            g = grad.to(torch.bfloat16)
+            if _pick(ctx.impl, g.shape[0], packed.shape[0], "dgrad") == "dequant":
+                from quant.kernels.nvfp4_dequant import dequant_dgrad
+
+                gx = dequant_dgrad(g, packed, scale, *(ctx.host or _host(gs, offsets)))
+            else:
+                gx = _launch_dgrad(g, packed, scale, gs, offsets, decoder=ctx.decoder)
+        return gx, None, None, None, None, None, None, None
 
 
 def nvfp4_moe_linear(
@@ -482,13 +517,16 @@ def nvfp4_moe_linear(
     *,
     config: dict | None = None,
     decoder: str | None = None,
+    impl: str | None = None,
 ) -> torch.Tensor:
     """Expert-grouped NVFP4 linear in the hopper serving form: x [M, K] -> [M, N] bf16.
 
     ``x`` holds the routed rows sorted by expert, expert e's rows at ``offsets[e]:offsets[e+1]``;
     ``packed`` [E, N, K/2] uint8, ``scale`` [E, N, K/16] e4m3, ``global_scale`` [E] fp32 decode
     scales (w13: the gate's, ``serving.fused_w13_global_scale``), ``offsets`` [E+1] int32.
-    Differentiable in x (frozen weights). On CUDA with Triton: the Triton kernels (bf16 x);
+    Differentiable in x (frozen weights). On CUDA with Triton: the fused Triton kernels (bf16 x) or,
+    from ``DEQUANT_MIN_ROWS`` rows per expert on, a bf16 decode + cuBLAS per direction (``impl``
+    "kernel" / "dequant" forces one; the decode path reads the offsets on the host);
     elsewhere: ``nvfp4_moe_linear_reference``. ``config`` overrides tile sizes, ``decoder`` is
     "asm" (default) or "triton".
     """
@@ -497,9 +535,11 @@ def nvfp4_moe_linear(
         return nvfp4_moe_linear_reference(x, packed, scale, global_scale, offsets)
     if decoder is not None and decoder not in DECODERS:
         raise ValueError(f"unknown decoder {decoder!r}; expected one of {tuple(DECODERS)}")
+    if impl not in (None, "kernel", "dequant"):
+        raise ValueError(f"unknown impl {impl!r}; expected 'kernel', 'dequant' or None")
     gs = global_scale.reshape(-1).to(device=x.device, dtype=torch.float32).contiguous()
     offsets = offsets.to(device=x.device, dtype=torch.int32).contiguous()
-    return _NVFP4MoELinear.apply(x.to(torch.bfloat16), packed, scale, gs, offsets, config, decoder)
+    return _NVFP4MoELinear.apply(x.to(torch.bfloat16), packed, scale, gs, offsets, config, decoder, impl)
 
 
 def flops(m: int, n: int, k: int) -> int:

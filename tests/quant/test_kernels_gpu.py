@@ -320,3 +320,104 @@ def test_mxfp8_fused_writes_everything():
     dx = _fused_dgrad(torch.randn(70, 320, device=DEV, dtype=BF16, generator=gen), q, s.view(torch.uint8))
     assert not torch.isnan(y).any() and not torch.isnan(dx).any()
     assert y.shape == (70, 320) and dx.shape == (70, 160)
+
+
+# ---------------------------------------------------------------------------------------------
+# NVFP4 at many rows per expert: bf16 decode + cuBLAS (quant.kernels.nvfp4_dequant)
+
+
+def test_nvfp4_dequantize_bit_exact_cuda():
+    from quant.kernels.nvfp4_dequant import nvfp4_dequantize
+
+    gen = torch.Generator(device=DEV).manual_seed(31)
+    packed = torch.randint(0, 256, (3, 64, 512), dtype=torch.uint8, device=DEV, generator=gen)
+    scale = torch.randint(0, 256, (3, 64, 64), dtype=torch.uint8, device=DEV, generator=gen)
+    packed.view(-1)[:256] = torch.arange(256, dtype=torch.uint8, device=DEV)
+    scale.view(-1)[:256] = torch.arange(256, dtype=torch.uint8, device=DEV)
+    out = torch.full((3, 64, 1024), float("nan"), dtype=BF16, device=DEV)
+    got = nvfp4_dequantize(packed, scale, out)
+    ref = serving.nvfp4_weight(packed, scale.view(torch.float8_e4m3fn), BF16)
+    nan = torch.isnan(ref)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("chunk", [1, 3, 8])
+def test_nvfp4_moe_dequant_path(chunk, overlap):
+    """Forward and input gradient through the decode + cuBLAS path (gs as cuBLAS alpha on the fp32 accumulator):
+    the same bound as the kernels (one rounding after gs: a second rounding would fail the bit-identity check)."""
+    from quant.kernels.nvfp4_dequant import dequant_dgrad, dequant_fwd
+
+    gen = torch.Generator(device=DEV).manual_seed(41 + chunk)
+    e, n, k = 8, 384, 512
+    packed, scale, gs = _nvfp4_stack(e, n, k, gen)
+    counts = [300, 0, 129, 1, 0, 517, 64, 0]
+    offsets = _offsets_from_counts(counts)
+    bounds, gsh = offsets.tolist(), gs.tolist()
+    x = torch.randn(sum(counts), k, device=DEV, dtype=BF16, generator=gen)
+    y = dequant_fwd(x, packed, scale, gsh, bounds, chunk=chunk, overlap=overlap)
+    torch.cuda.synchronize()
+    _assert_bound(y, _ref_fwd(x, packed, scale, gs, offsets),
+                  _ref_fwd(x.abs(), *_abs_stack(packed, scale), gs, offsets), k, f"dequant fwd c{chunk}")
+    dy = torch.randn(sum(counts), n, device=DEV, dtype=BF16, generator=gen)
+    dx = dequant_dgrad(dy, packed, scale, gsh, bounds, chunk=chunk, overlap=overlap)
+    torch.cuda.synchronize()
+    _assert_bound(dx, _ref_dgrad(dy, packed, scale, gs, offsets),
+                  _ref_dgrad(dy.abs(), *_abs_stack(packed, scale), gs, offsets), n, f"dequant dgrad c{chunk}")
+
+
+@pytest.mark.parametrize("which", ["gate_up", "down"])
+def test_nvfp4_moe_dequant_m3_shapes(which):
+    """All 128 M3 experts at 4096 tokens (top-4, skewed) through nvfp4_moe_linear(impl="dequant"), fwd + dgrad."""
+    e, hidden, inter = 128, 6144, 3072
+    n, k = (2 * inter, hidden) if which == "gate_up" else (hidden, inter)
+    gen = torch.Generator(device=DEV).manual_seed(n + k)
+    packed, scale, gs = _nvfp4_stack(e, n, k, gen)
+    order, offsets = moe.sort_by_expert(_routing(4096, e, 4, gen, skew=1.0), e)
+    x = torch.randn(4096, k, device=DEV, dtype=BF16, generator=gen)[order // 4].contiguous().requires_grad_(True)
+    y = moe.nvfp4_moe_linear(x, packed, scale, gs, offsets, impl="dequant")
+    dy = torch.randn(y.shape, device=DEV, dtype=BF16, generator=gen)
+    y.backward(dy)
+    xd = x.detach()
+    _assert_bound(y.detach(), _ref_fwd(xd, packed, scale, gs, offsets),
+                  _ref_fwd(xd.abs(), *_abs_stack(packed, scale), gs, offsets), k, f"M3 {which} dequant fwd")
+    _assert_bound(x.grad, _ref_dgrad(dy, packed, scale, gs, offsets),
+                  _ref_dgrad(dy.abs(), *_abs_stack(packed, scale), gs, offsets), n, f"M3 {which} dequant dgrad")
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped expert LoRA (torch._grouped_mm) vs the per-expert loop
+
+
+def test_grouped_expert_lora_cuda():
+    from rl.lora import ExpertLoRA, LoRAConfig
+
+    gen = torch.Generator(device=DEV).manual_seed(51)
+    e, hidden, inter = 128, 1024, 512
+    lora = ExpertLoRA(e, hidden, inter, LoRAConfig(rank=32, alpha=64)).to(DEV)
+    with torch.no_grad():
+        for p in lora.parameters():
+            p.copy_((torch.randn(p.shape, device=DEV, generator=gen) * 0.05).to(BF16).float())
+    order, offsets = moe.sort_by_expert(_routing(2048, e, 4, gen, skew=1.3), e)
+    counts = (offsets[1:] - offsets[:-1]).tolist()
+    assert 0 in counts  # skew leaves some experts empty
+    x0 = torch.randn(offsets[-1].item(), hidden, device=DEV, dtype=BF16, generator=gen)
+    g = torch.randn(x0.shape[0], 2 * inter, device=DEV, dtype=BF16, generator=gen)
+    res = []
+    for grouped in (True, False):
+        lora.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_(True)
+        if grouped:
+            y = lora.gate_up_grouped(x, offsets)
+        else:
+            b = offsets.tolist()
+            y = torch.cat([lora.gate_up(x[b[i]:b[i + 1]], i) for i in range(e)])
+        y.backward(g)
+        res.append([y.detach(), x.grad, lora.gate_up_A.grad.clone(), lora.gate_up_B.grad.clone()])
+    for name, a, b in zip(("y", "dx", "dA", "dB"), *res):
+        assert torch.isfinite(a).all(), name
+        rel = float((a.float() - b.float()).norm() / b.float().norm())
+        assert rel <= 4e-3, f"{name}: rel {rel:.2e}"
+    empty = torch.tensor([c == 0 for c in counts], device=DEV)
+    assert (res[0][2][empty] == 0).all() and (res[0][3][empty] == 0).all()

@@ -3,7 +3,8 @@ give the same token logprobs and LoRA gradients as the reference paths, on the q
 
 Runs of one batch: the CPU reference, the GPU with the reference paths (`attention_impl=reference`,
 `moe_impl=loop`), the GPU fast paths (`auto`), FlexAttention, the fast paths with activation checkpointing (and MoE token chunks), and the
-bf16 base with its experts per expert vs in torch._grouped_mm. Every run after the first replays the CPU run's expert
+bf16 base with its experts per expert vs in torch._grouped_mm, and every NVFP4 expert GEMM through the bf16 decode +
+cuBLAS path (quant.kernels.nvfp4_dequant). The grouped runs compute expert LoRA in grouped GEMMs. Every run after the first replays the CPU run's expert
 and MSA block choices. Every comparison is computed before any assertion and printed as one JSON line (and written
 to $M3RL_GPU_REPORT when set), so a failure on the device shows all numbers, not the first mismatch.
 """
@@ -25,6 +26,8 @@ RUNS = {  # name -> (device, model config overrides)
     "gpu_fast_ckpt_chunks": ("cuda", {"activation_checkpointing": True, "moe_chunk_tokens": 256}),
     "gpu_bf16_loop": ("cuda", {"base": "bf16", "moe_impl": "loop"}),  # the bf16 base: torch._grouped_mm path
     "gpu_bf16_grouped": ("cuda", {"base": "bf16", "moe_impl": "grouped"}),
+    # every NVFP4 expert GEMM through the bf16 decode + cuBLAS path (the tiny model never reaches its threshold)
+    "gpu_fast_dequant": ("cuda", {"activation_checkpointing": True, "_nvfp4_impl": "dequant"}),
 }
 
 
@@ -32,9 +35,18 @@ def _run(path, device, overrides, ids, cu, replay=None):
     """(logprobs, LoRA grads, the routing/blocks used). replay: routing and blocks to use (all runs but the first
     replay the CPU reference's: in bf16 a near-tie in a router or an MSA block score flips between devices, which
     moves a token's logprob by whole nats; replay is how the trainer removes exactly that against the engine)."""
+    from quant.kernels import nvfp4_moe
     from rl.lora import lora_parameters
     from rl.model import ForwardStats, M3ForTraining, TrainerModelConfig
 
+    overrides = dict(overrides)
+    if overrides.pop("_nvfp4_impl", None) == "dequant":
+        saved = dict(nvfp4_moe.DEQUANT_MIN_ROWS)
+        nvfp4_moe.DEQUANT_MIN_ROWS.update(fwd=0, dgrad=0)
+        try:
+            return _run(path, device, overrides, ids, cu, replay)
+        finally:
+            nvfp4_moe.DEQUANT_MIN_ROWS.update(saved)
     model = M3ForTraining(TrainerModelConfig(path=path, dtype="bfloat16", **overrides))
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -77,7 +89,7 @@ def test_gpu_fast_paths_match_reference(tmp_path):
     for name, (dev, overrides) in RUNS.items():
         if dev == "cuda" and device == "cpu":
             overrides = {k: v for k, v in overrides.items()
-                         if k in ("activation_checkpointing", "base", "moe_chunk_tokens")}
+                         if k in ("activation_checkpointing", "base", "moe_chunk_tokens", "_nvfp4_impl")}
             overrides.setdefault("attention_impl", "reference")  # flex has no CPU backward
         replay = out["cpu_reference"][2] if out else None
         out[name] = _run(str(tmp_path / "q"), device if dev == "cuda" else "cpu", overrides, ids, cu, replay)
@@ -87,7 +99,8 @@ def test_gpu_fast_paths_match_reference(tmp_path):
               "flex_vs_gpu_reference": _compare(out["gpu_reference"], out["gpu_flex"]),
               "ckpt_vs_fast": _compare(out["gpu_fast"], out["gpu_fast_ckpt"]),
               "moe_chunks_vs_fast": _compare(out["gpu_fast"], out["gpu_fast_ckpt_chunks"]),
-              "bf16_grouped_vs_loop": _compare(out["gpu_bf16_loop"], out["gpu_bf16_grouped"])}
+              "bf16_grouped_vs_loop": _compare(out["gpu_bf16_loop"], out["gpu_bf16_grouped"]),
+              "nvfp4_dequant_vs_gpu_reference": _compare(out["gpu_reference"], out["gpu_fast_dequant"])}
     print(json.dumps(report))
     if os.environ.get("M3RL_GPU_REPORT"):
         with open(os.environ["M3RL_GPU_REPORT"], "w") as f:

@@ -162,6 +162,35 @@ def test_moe_token_chunks_match_one_pass(setup, rollouts):
     assert max(float((g0[n] - g1[n]).norm() / g0[n].norm().clamp_min(1e-30)) for n in g0) <= 1e-4
 
 
+def test_activation_checkpointing_with_moe_chunks_is_exact(setup, rollouts):
+    """With MoE token chunks, activation checkpointing recomputes the attention half and the MoE's own chunks
+    (DecoderLayer checkpoint_parts), not the whole layer: still the same logprobs and gradients as no recompute."""
+    model = setup[1]
+    r = rollouts[LONG]
+    ids = torch.tensor(r.prompt_ids + r.token_ids)
+    for layer in model.model.layers:
+        if layer.is_moe:
+            layer.mlp.chunk_tokens = 97
+    results = []
+    try:
+        for ckpt in (False, True):
+            model.mcfg.activation_checkpointing = ckpt
+            model.zero_grad(set_to_none=True)
+            lp = model.token_logprobs(ids[:-1], torch.tensor([0, len(ids) - 1]), ids[1:])
+            lp.sum().backward()
+            results.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                          if p.grad is not None}))
+    finally:
+        model.mcfg.activation_checkpointing = False
+        for layer in model.model.layers:
+            if layer.is_moe:
+                layer.mlp.chunk_tokens = 0
+        model.zero_grad(set_to_none=True)
+    (lp0, g0), (lp1, g1) = results
+    assert torch.equal(lp0, lp1) and g0.keys() == g1.keys() and g0
+    assert all(torch.equal(g0[n], g1[n]) for n in g0)
+
+
 def test_grouped_experts_need_cuda(setup):
     from rl.model import TrainerModelConfig
 

@@ -1,0 +1,149 @@
+"""NVFP4 routed experts at many tokens per expert: dequantize to bf16, then cuBLAS, in the same serving form as
+``quant.kernels.nvfp4_moe`` (``quant.serving.nvfp4_linear(..., "hopper")``):
+
+    y_e  = bf16(fp32acc(x_e @ (e2m1 * s)_e^T) * gs[e])        dx_e = bf16(fp32acc(dy_e @ (e2m1 * s)_e) * gs[e])
+
+The weights of a chunk of experts are decoded into a transient bf16 buffer (e2m1 * s is exact in bf16, so the GEMM
+operands are bit-identical to the reference's), and each expert's rows run one cuBLAS GEMM whose alpha is gs[e]:
+cuBLAS scales the fp32 accumulator by alpha before its single rounding to bf16, which is where the serving form
+applies the global scale. (``torch._grouped_mm`` rounds to bf16 first and has no per-group alpha, so folding gs into
+it would round twice.) Nothing is saved for backward but the packed bytes: the input gradient decodes again.
+
+Why: the fused Triton kernels decode every weight tile once per row tile, so at thousands of rows per expert the
+decode work grows with the rows while the GEMM here runs at cuBLAS's rate on a decode done once per call. Below
+that the decode (0.5625 B read + 2 B written per weight, ~4.3 ms for all 128 M3 experts' gate_up + down at 4.3
+TB/s) is not paid back; ``nvfp4_moe`` picks the path per call from the rows per expert.
+
+``overlap``: decode chunk i+1 on a side stream while chunk i's GEMMs run (two buffers). Measured on the H200 (run
+11): no gain in the forward (cuBLAS's GEMMs fill every SM, the decode waits for them), 4% in the input gradient at
+32K tokens; so the path runs at its floor, the bf16 GEMM plus one decode: 28.6 / 28.4 ms fwd / dgrad at 32K tokens
+against 24.7 / 25.3 for bf16 _grouped_mm (0.86x / 0.89x), where the fused kernels take 29.4 / 45.1.
+"""
+
+import functools
+
+import torch
+
+from quant import serving
+
+__all__ = ["CHUNK_EXPERTS", "nvfp4_dequantize", "dequant_fwd", "dequant_dgrad"]
+
+CHUNK_EXPERTS = 8  # 8 x 6144 x 6144 bf16 = 0.6 GB per buffer at M3's gate_up
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _dequant_kernel(p_ptr, s_ptr, out_ptr, total, BLOCK: tl.constexpr):
+        # BLOCK packed bytes -> 2 * BLOCK bf16 (low nibble first); 8 bytes (16 codes) share one scale byte. Values
+        # are built from integer fields as fp32 bits (no fp8 type: the same code runs under the CPU interpreter).
+        pid = tl.program_id(0).to(tl.int64)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < total
+        p = tl.load(p_ptr + offs, mask=ok, other=0).to(tl.int32)
+        b = tl.load(s_ptr + offs // 8, mask=ok, other=0).to(tl.int32)
+        # E4M3 scale: exponent field > 0 is (1 + man/8) * 2^(exp-7); 0 is man * 2^-9; 0x7F/0xFF NaN
+        sign = b & 0x80
+        exp = (b >> 3) & 0xF
+        man = b & 7
+        s = ((sign << 24) | ((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+        sub = (man.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True) | (sign << 24)  # signs as bits: -0 too
+        s = tl.where(exp == 0, sub.to(tl.float32, bitcast=True), s)
+        s = tl.where((b & 0x7F) == 0x7F, float("nan"), s)
+        # E2M1 codes (sign, e1 e0 m): e > 0 is (1 + m/2) * 2^(e-1); e = 0 is m/2 (0.5 = 0x3F000000)
+        lo_c = p & 0xF
+        hi_c = p >> 4
+        lo_e = (lo_c & 7) >> 1
+        hi_e = (hi_c & 7) >> 1
+        lo_m = lo_c & 1
+        hi_m = hi_c & 1
+        lo = tl.where(lo_e == 0, lo_m * 0x3F000000, ((lo_e + 126) << 23) | (lo_m << 22)) | ((lo_c & 8) << 28)
+        hi = tl.where(hi_e == 0, hi_m * 0x3F000000, ((hi_e + 126) << 23) | (hi_m << 22)) | ((hi_c & 8) << 28)
+        lo = lo.to(tl.float32, bitcast=True) * s
+        hi = hi.to(tl.float32, bitcast=True) * s
+        o = pid * (2 * BLOCK) + tl.arange(0, 2 * BLOCK)
+        tl.store(out_ptr + o, tl.interleave(lo.to(tl.bfloat16), hi.to(tl.bfloat16)), mask=o < 2 * total)
+
+    return triton, _dequant_kernel
+
+
+def nvfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """e2m1 * s of packed [..., N, K/2] uint8 and scale [..., N, K/16] e4m3 (or its bytes) as bf16 [..., N, K],
+    bit-identical to ``quant.serving.nvfp4_weight`` (no global scale). One Triton pass on CUDA."""
+    shape = (*packed.shape[:-1], packed.shape[-1] * 2)
+    if not packed.is_cuda:
+        w = serving.nvfp4_weight(packed, scale.view(torch.float8_e4m3fn), torch.bfloat16)
+        return w if out is None else out.copy_(w)
+    triton, kernel = _kernel()
+    p = packed.contiguous().view(torch.uint8)
+    s = scale.contiguous().view(torch.uint8)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.bfloat16, device=packed.device)
+    total = p.numel()
+    if total:
+        block = 2048
+        kernel[(triton.cdiv(total, block),)](p, s, out, total, BLOCK=block, num_warps=8)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=index)
+
+
+def _run(inp, packed, scale, gs_host, bounds, dgrad, chunk, overlap):
+    """out rows of expert e = bf16(fp32acc(inp_e @ op(W_e)) * gs[e]), op = transpose (forward) or identity."""
+    e_total, n, kh = packed.shape
+    k = 2 * kh
+    out = torch.empty(inp.shape[0], k if dgrad else n, dtype=torch.bfloat16, device=inp.device)
+    chunk = max(1, min(chunk, e_total))
+    ranges = [(a, min(a + chunk, e_total)) for a in range(0, e_total, chunk)
+              if bounds[min(a + chunk, e_total)] > bounds[a]]  # skip chunks with no rows
+    if not ranges:
+        return out
+    inp = inp.contiguous()
+    cuda = inp.is_cuda
+    overlap = overlap and cuda and len(ranges) > 1
+    bufs = [torch.empty(chunk, n, k, dtype=torch.bfloat16, device=inp.device) for _ in range(2 if overlap else 1)]
+    main = torch.cuda.current_stream(inp.device) if cuda else None
+    side = _side_stream(inp.device.index if inp.device.index is not None else torch.cuda.current_device()) \
+        if overlap else None
+    freed = [None, None]
+    if side is not None:
+        side.wait_stream(main)  # the inputs and buffers were made on the main stream
+    for i, (e0, e1) in enumerate(ranges):
+        buf = bufs[i % len(bufs)][:e1 - e0]
+        if side is not None:
+            with torch.cuda.stream(side):
+                if freed[i % 2] is not None:
+                    side.wait_event(freed[i % 2])  # chunk i-2's GEMMs are done with this buffer
+                nvfp4_dequantize(packed[e0:e1], scale[e0:e1], buf)
+                ready = torch.cuda.Event()
+                ready.record(side)
+            main.wait_event(ready)
+        else:
+            nvfp4_dequantize(packed[e0:e1], scale[e0:e1], buf)
+        for e in range(e0, e1):
+            lo, hi = bounds[e], bounds[e + 1]
+            if hi > lo:
+                w = buf[e - e0]
+                # beta=0: the output slice is not read (torch.addmm's contract), only written
+                out[lo:hi].addmm_(inp[lo:hi], w if dgrad else w.t(), beta=0, alpha=gs_host[e])
+        if side is not None:
+            ev = torch.cuda.Event()
+            ev.record(main)
+            freed[i % 2] = ev
+    return out
+
+
+def dequant_fwd(x, packed, scale, gs_host, bounds, chunk=None, overlap=True):
+    """x [M, K] bf16 sorted by expert (host offsets ``bounds``, host decode scales ``gs_host``) -> [M, N]."""
+    return _run(x.to(torch.bfloat16), packed, scale, gs_host, bounds, False, chunk or CHUNK_EXPERTS, overlap)
+
+
+def dequant_dgrad(dy, packed, scale, gs_host, bounds, chunk=None, overlap=True):
+    """dy [M, N] -> dx [M, K] = bf16(fp32acc(dy_e @ W_e) * gs[e]) per expert."""
+    return _run(dy.to(torch.bfloat16), packed, scale, gs_host, bounds, True, chunk or CHUNK_EXPERTS, overlap)

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# A parametrized GPU run through the device tool, from the repo root (or a copy of it) with .whl carried:
+#   bash scripts/gpu/run.sh STEP...        (results land in $OUT, else results/gpu/run/)
+# STEPs, each logged to $OUT/<name>.log with its exit code and seconds in $OUT/summary.log:
+#   tests                 pytest -m gpu: tests/quant/test_kernels_gpu.py + tests/rl/test_trainer_gpu.py
+#   bench_expert          scripts/bench_expert_gemm.py: NVFP4 kernel vs decode+cuBLAS vs bf16 _grouped_mm at
+#                         64..32768 tokens, grouped expert LoRA vs the per-expert loop at 65,536 tokens
+#   bench_mxfp8           scripts/bench_mxfp8_linear.py --trainer (the trainer's projection shapes, 4 and 8 x 16K)
+#   slice:L:S:BASE[:P[:C]]  scripts/train_step_m3.py at M3 width: L layers, S x 16K tokens, BASE quantized|bf16,
+#                         activation checkpointing on, MoE chunks of C tokens (default 16384); P=1: the time split
+# The device tool returns at most 8 files: logs go into logs.tgz, and the JSON results into results.tgz when
+# there are more than 6 of them. The last lines printed are the summary (tokens/s, MFU, memory, time split).
+source "$(dirname "$0")/lib.sh"
+BUDGET=${RUN_BUDGET_S:-100000}  # seconds for all steps: a step starts only with time left, and is cut to it
+lim() { local left=$(( BUDGET - SECONDS )); (( left < $1 )) && echo "$left" || echo "$1"; }
+for step in "$@"; do
+  if (( BUDGET - SECONDS < 30 )); then echo "$step skipped: out of RUN_BUDGET_S" | tee -a "$OUT/summary.log"; continue; fi
+  case "$step" in
+    tests)
+      M3RL_GPU_REPORT="$OUT/trainer_gpu.json" run tests "$(lim 260)" $P tests/quant/test_kernels_gpu.py tests/rl/test_trainer_gpu.py ;;
+    bench_expert)
+      run bench_expert "$(lim 220)" python3 scripts/bench_expert_gemm.py --lora-loop --out "$OUT/bench_expert.json" ;;
+    bench_mxfp8)
+      run bench_mxfp8 "$(lim 100)" python3 scripts/bench_mxfp8_linear.py --trainer --out "$OUT/bench_mxfp8.json" ;;
+    slice:*)
+      IFS=: read -r _ layers seqs base prof chunk <<< "$step"
+      p=${prof:-0}; chunk=${chunk:-16384}
+      name="slice${layers}x${seqs}_${base}$([ "$chunk" != 16384 ] && echo "_c$chunk")"
+      run "$name" "$(lim 240)" torchrun --nproc-per-node 1 scripts/train_step_m3.py --layers "$layers" --seq-len 16384 \
+          --seqs-per-rank "$seqs" --steps 2 --base "$base" --shard-base 0 --moe-chunk-tokens "$chunk" --profile "$p" \
+          --out "$OUT/$name.json" ;;
+    *) echo "unknown step $step" | tee -a "$OUT/summary.log" ;;
+  esac
+done
+grep -h -E "passed|failed|Error|error" "$OUT"/*.log | grep -v DEBUG | tail -n 15
+python3 - "$OUT" <<'EOF'
+import glob, json, os, sys
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
+    r = json.load(open(f))
+    name = os.path.basename(f)
+    if name.startswith("slice"):
+        rk = r["ranks"][0]
+        print(name, "tok/s", round(r["tokens_per_s"] or 0), "mfu", round(r.get("mfu_vs_989_tflops") or 0, 4),
+              "peak", round(r["peak_allocated_gb_max"], 1), "mem", {k: round(v, 1) for k, v in
+                                                                   rk.get("memory_breakdown_gb", {}).items()},
+              "split", rk.get("time_split"))
+    elif "totals" in r:
+        print(name, json.dumps(r["totals"]))
+        if "lora" in r:
+            print(name, "lora", json.dumps(r["lora"]))
+EOF
+pack_logs
+if [ "$(ls "$OUT"/*.json 2>/dev/null | wc -l)" -gt 6 ]; then (cd "$OUT" && tar czf results.tgz *.json && rm -f *.json); fi
+cat "$OUT/summary.log"

@@ -1,0 +1,79 @@
+"""quant.kernels.nvfp4_dequant on CPU: the Triton decode under Triton's interpreter (a subprocess with the
+interpreter-only Triton of scripts/install/setup_env.sh on its path) is bit-identical to quant.serving.nvfp4_weight
+on every code and scale byte (subnormal and NaN scales too); the per-expert chunked GEMM loop (chunks, empty experts,
+forward and input gradient) matches the reference expert loop. Their CUDA runs: tests/quant/test_kernels_gpu.py.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from quant import serving
+from quant.kernels import nvfp4_moe as moe
+from quant.kernels.nvfp4_dequant import dequant_dgrad, dequant_fwd
+
+ROOT = Path(__file__).resolve().parents[2]
+INTERPRETER_SITE = ROOT / ".venv" / "triton-interpret"
+
+
+def _every_byte(e=3, n=16, k=512, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, generator=g)
+    packed.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)  # every code pair
+    scale = torch.randint(0, 256, (e, n, k // 16), dtype=torch.uint8, generator=g)
+    scale.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)  # every scale byte: zero, subnormal, NaN
+    return packed, scale
+
+
+if __name__ == "__main__":  # the interpreter subprocess
+    from quant.kernels.nvfp4_dequant import _kernel
+
+    triton, kernel = _kernel()
+    packed, scale = _every_byte()
+    out = torch.full((*packed.shape[:-1], packed.shape[-1] * 2), float("nan"), dtype=torch.bfloat16)
+    total = packed.numel()
+    kernel[(triton.cdiv(total, 1024),)](packed, scale, out, total, BLOCK=1024)
+    ref = serving.nvfp4_weight(packed, scale.view(torch.float8_e4m3fn), torch.bfloat16)
+    nan = torch.isnan(ref)
+    print(json.dumps({"same_nan": bool(torch.equal(torch.isnan(out), nan)),
+                      "bits_equal": bool(torch.equal(out.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])),
+                      "nan_count": int(nan.sum()), "n": out.numel()}))
+    sys.exit(0)
+
+
+def test_decode_under_the_interpreter_is_bit_exact():
+    assert (INTERPRETER_SITE / "triton").is_dir(), f"{INTERPRETER_SITE} missing: run scripts/install/setup_env.sh"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(INTERPRETER_SITE), str(ROOT)]))
+    p = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["same_nan"] and r["bits_equal"], r
+    assert r["nan_count"] > 0  # NaN scales (0x7F, 0xFF) were among the inputs
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 8])
+def test_chunked_expert_gemms_match_the_reference(chunk):
+    g = torch.Generator().manual_seed(chunk)
+    e, n, k = 5, 48, 64
+    packed = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, generator=g)
+    scale = torch.randint(0x28, 0x48, (e, n, k // 16), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+    gs = torch.rand(e, generator=g) * 0.01 + 1e-3
+    counts = [7, 0, 0, 12, 3]
+    offsets = moe.expert_offsets(torch.tensor(counts))
+    bounds = offsets.tolist()
+    x = torch.randn(bounds[-1], k, generator=g).bfloat16()
+    dy = torch.randn(bounds[-1], n, generator=g).bfloat16()
+    y = dequant_fwd(x, packed, scale, gs.tolist(), bounds, chunk=chunk)
+    dx = dequant_dgrad(dy, packed, scale, gs.tolist(), bounds, chunk=chunk)
+    ref_y = moe.nvfp4_moe_linear_reference(x, packed, scale, gs, offsets)
+    ref_dx = torch.cat([(serving._mm_fp32(dy[a:b], serving.nvfp4_weight(packed[i], scale[i]).t()) * gs[i])
+                        .bfloat16() for i, (a, b) in enumerate(zip(bounds, bounds[1:]))])
+    for got, ref in ((y, ref_y), (dx, ref_dx)):
+        assert got.shape == ref.shape
+        rel = float((got.float() - ref.float()).norm() / ref.float().norm())
+        assert rel <= 2.0**-8, rel
