@@ -1,6 +1,6 @@
 # make setup : build .venv (profile auto-detected: gpu if nvidia-smi sees a GPU, else cpu; override PROFILE=cpu|gpu)
 # make test  : set up if needed, then run the CPU test suite
-# make train : the embedded default RL run (python -m rl.train)
+# make train : the embedded default RL run (python -m rl.train; ARGS='key=value ...' adds Hydra overrides)
 PROFILE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 PY := .venv/bin/python
 STAMP := .venv/.profile
@@ -23,7 +23,7 @@ test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu
 
 train: $(STAMP)
-	$(PY) -m rl.train
+	$(PY) -m rl.train $(ARGS)
 
 clean:
 	rm -rf .venv build cache runs outputs

@@ -1,14 +1,26 @@
-"""Per-step metrics: JSONL in the run folder, W&B (offline by default), a console table and a progress bar."""
+"""Per-step metrics: every metric to JSONL in the run folder and W&B (offline by default); one line per step on the
+console (reward, accuracy, train/rollout KL, step time)."""
 
 import json
 import math
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
-CONSOLE_KEYS = ("reward/mean", "reward/acc", "response/length", "train_rollout/kl_k3", "is/ratio_max",
-                "is/capped_frac", "agreement/routing", "train/grad_norm", "sync/ms", "time/step_s")
+# (metric, label, format) of the console line
+CONSOLE_FIELDS = (("reward/mean", "reward", ".3f"), ("reward/acc", "acc", ".3f"), ("train_rollout/kl_k3", "kl", ".1e"),
+                  ("train/grad_norm", "grad", ".3f"), ("time/generate_s", "gen", ".1f"), ("time/step_s", "step", ".1f"))
+
+
+def console_line(step: int, total: int, metrics: dict) -> str:
+    parts = [f"step {step}/{total}"]
+    for key, label, fmt in CONSOLE_FIELDS:
+        if isinstance(metrics.get(key), (int, float)):
+            parts.append(f"{label} {metrics[key]:{fmt}}" + ("s" if key.startswith("time/") else ""))
+    if metrics.get("train/skipped_nonfinite"):
+        parts.append("SKIPPED (non-finite)")
+    parts += [f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith("eval/") and isinstance(v, float)]
+    return "  ".join(parts)
 
 
 class MetricsLogger:
@@ -23,6 +35,7 @@ class MetricsLogger:
             self.wandb = wandb.init(project=cfg.logger.project, mode=cfg.logger.wandb_mode, dir=str(run_dir),
                                     config=resolved_config, resume="allow", id=run_dir.name.replace("/", "-"))
         self.rows = []
+        self.total = cfg.trainer.total_training_steps
 
     def log(self, step: int, metrics: dict) -> None:
         row = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
@@ -34,11 +47,7 @@ class MetricsLogger:
             self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
         self.rows.append(row)
         if self.console is not None:
-            table = Table(title=f"step {step}", show_header=False, box=None)
-            for k in (k for k in CONSOLE_KEYS if k in metrics):
-                v = metrics[k]
-                table.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
-            self.console.print(table)
+            self.console.print(console_line(step, self.total, metrics), highlight=False, soft_wrap=True)
 
     def close(self) -> None:
         if self.wandb is not None:

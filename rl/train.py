@@ -18,7 +18,6 @@ import hydra
 import numpy as np
 import torch
 from omegaconf import OmegaConf
-from rich.progress import Progress
 
 from rl import checkpointing
 from rl.algorithm import grpo_advantages, policy_loss, train_rollout_kl
@@ -75,6 +74,12 @@ class Session:
         elif not (Path(model_path) / "config.json").is_file():
             raise FileNotFoundError(f"model.path: no checkpoint (config.json) at {model_path}")
         self.model_path = str(model_path)
+        # The warm-up above ran on every core; the RL phase runs the trainer and the in-process engine on
+        # M3RL_TORCH_THREADS (default 1). Measured on the 2-core CPU: 2 threads make the engine's adapter generate
+        # 1.3x faster when nothing else runs, but 3-20x slower when another process takes a core (OpenMP threads
+        # spin on the busy core), so the default is the robust one. Set before the engine starts: vLLM's CPU
+        # worker then blocks torch.set_num_threads.
+        torch.set_num_threads(int(os.environ.get("M3RL_TORCH_THREADS", "1")))
         from transformers import AutoTokenizer
 
         from rl.data import encode_prompts
@@ -112,6 +117,9 @@ class Session:
         self.params = lora_parameters(self.model)
         o = c.actor.optim
         self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+        # Adam's first updates are ~lr * sign(grad) whatever the gradient's noise: ramp the rate up
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda i: min(1.0, (i + 1) / o.lr_warmup_steps) if o.lr_warmup_steps > 0 else 1.0)
         self.cursor = DataCursor(len(self.train_rows), seed=c.data.seed, shuffle=c.data.shuffle)
         if self.world > 1:
             # One engine per rank, each in its own EngineCore process with its own (size-1) process group. vLLM's
@@ -178,13 +186,18 @@ class Session:
         return run_check(self.engine, self.model, prompts, self.cfg, tensors, peft_cfg,
                          self.cfg.data.max_response_length)
 
-    def evaluate(self, k: int = 1) -> dict:
-        """pass@1 (greedy when k == 1) and avg@k on the eval split, through the colocated engine (rl.eval)."""
+    def evaluate(self, k: int = 4) -> dict:
+        """On the eval split, through the colocated engine (rl.eval): pass@1 of the policy being trained (k samples
+        per problem at the rollout temperature; its unbiased estimate is the mean accuracy, avg@k), pass@k, and the
+        greedy decode's accuracy (`greedy_pass@1`, a different policy: the argmax)."""
         from rl.eval import evaluate
 
-        out = evaluate(self.engine, self.eval_rows, k=k, temperature=0.0 if k == 1 else 1.0,
-                       max_tokens=self.cfg.data.max_response_length, seed=self.cfg.trainer.seed, return_details=False)
-        return {key: out[key] for key in ("pass@1", "avg@k", "pass@k", "k") if key in out}
+        c = self.cfg
+        sampled = evaluate(self.engine, self.eval_rows, k=k, temperature=c.rollout.temperature,
+                           max_tokens=c.data.max_response_length, seed=c.trainer.seed, return_details=False)
+        greedy = evaluate(self.engine, self.eval_rows, k=1, temperature=0.0, max_tokens=c.data.max_response_length,
+                          seed=c.trainer.seed, return_details=False)
+        return {"pass@1": sampled["avg@k"], "pass@k": sampled["pass@k"], "k": k, "greedy_pass@1": greedy["pass@1"]}
 
     def _text(self, rollout) -> str:
         return self.tokenizer.decode(rollout.token_ids, skip_special_tokens=True)
@@ -252,6 +265,7 @@ class Session:
             metrics.update({"train/skipped_nonfinite": 1.0, "time/step_s": time.perf_counter() - t0})
             return metrics
         self.optimizer.step()
+        self.scheduler.step()
         t_train = time.perf_counter()
         sync = self.sync()
         t_sync = time.perf_counter()
@@ -285,9 +299,11 @@ class Session:
                              "set trainer.resume=false or a new trainer.run_dir")
         if resumed is not None:
             start = checkpointing.load(resumed, self.model, self.optimizer, self.cursor)["step"]
+            for _ in range(start):  # the learning-rate schedule is a function of the step
+                self.scheduler.step()
             self.log(f"resumed from {resumed} at step {start}")
         self.sync()
-        summary = {"run_dir": str(self.run_dir), "model": self.model_path, "warmup": self.warmup_stats,
+        summary = {"run_dir": str(self.run_dir), "seed": c.trainer.seed, "model": self.model_path, "warmup": self.warmup_stats,
                    "data": self.data_stats, "resumed_from_step": start}
         if c.trainer.check_at_start and start == 0:
             summary["check_step0"] = check = self.check()
@@ -297,20 +313,17 @@ class Session:
                 raise RuntimeError(f"rl.check failed at step 0: {json.dumps(check)}")
         summary["eval_before"] = self.evaluate(c.trainer.eval_k) if self.rank == 0 else {}
         self.log(f"eval before: {summary['eval_before']}")
-        with Progress(transient=True, disable=not c.logger.console or self.rank != 0) as progress:
-            task = progress.add_task("GRPO", total=c.trainer.total_training_steps, completed=start)
-            for step in range(start + 1, c.trainer.total_training_steps + 1):
-                metrics = self.step(step)
-                nan_streak = nan_streak + 1 if metrics.get("train/skipped_nonfinite") else 0
-                if c.trainer.test_freq and step % c.trainer.test_freq == 0 and self.rank == 0:
-                    metrics.update({f"eval/{k}": v for k, v in self.evaluate(c.trainer.eval_k).items()})
-                logger.log(step, metrics)
-                progress.advance(task)
-                if nan_streak >= c.trainer.max_nan_steps:
-                    self.save(step, {"stopped": "non-finite loss"})
-                    raise RuntimeError(f"{nan_streak} non-finite steps in a row (step {step}); checkpoint saved")
-                if step % c.trainer.save_freq == 0 or step == c.trainer.total_training_steps:
-                    self.save(step, {})
+        for step in range(start + 1, c.trainer.total_training_steps + 1):
+            metrics = self.step(step)
+            nan_streak = nan_streak + 1 if metrics.get("train/skipped_nonfinite") else 0
+            if c.trainer.test_freq and step % c.trainer.test_freq == 0 and self.rank == 0:
+                metrics.update({f"eval/{k}": v for k, v in self.evaluate(c.trainer.eval_k).items()})
+            logger.log(step, metrics)  # one console line per step; every metric to metrics.jsonl and W&B
+            if nan_streak >= c.trainer.max_nan_steps:
+                self.save(step, {"stopped": "non-finite loss"})
+                raise RuntimeError(f"{nan_streak} non-finite steps in a row (step {step}); checkpoint saved")
+            if step % c.trainer.save_freq == 0 or step == c.trainer.total_training_steps:
+                self.save(step, {})
         summary["eval_after"] = self.evaluate(c.trainer.eval_k) if self.rank == 0 else {}
         self.log(f"eval after: {summary['eval_after']}")
         rows = logger.rows
@@ -333,7 +346,7 @@ class Session:
 
 @hydra.main(config_path="../configs", config_name="config", version_base=None)
 def main(cfg) -> None:
-    torch.set_num_threads(int(os.environ.get("M3RL_TORCH_THREADS", "1")))  # 2-core CI: 1 thread is fastest
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # one console line per step, not vLLM's INFO stream
     with Session(cfg) as session:
         summary = session.run()
     print(json.dumps({k: summary[k] for k in ("eval_before", "eval_after", "run_dir")}, indent=2))

@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "results" / "engine_lora_cpu.json"))
     ap.add_argument("--profile", action="store_true", help="print a torch CPU profile of one adapter generate")
     args = ap.parse_args()
-    torch.set_num_threads(int(os.environ.get("M3RL_TORCH_THREADS", "1")))
+    torch.set_num_threads(int(os.environ.get("M3RL_TORCH_THREADS", "1")))  # as rl.train's RL phase
 
     from rollout.engine import EngineConfig, RolloutEngine
     from rollout.tiny_model import ensure_tiny_model
