@@ -20,11 +20,13 @@ def summarize(run: Path, wall_s: float | None) -> dict:
 
     def med(key):
         vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
-        return round(statistics.median(vals), 4) if vals else None
+        return float(f"{statistics.median(vals):.4g}") if vals else None
 
     return {
         "run_dir": str(run), "seed": summary.get("seed"), "wall_s": wall_s, "warmup": summary.get("warmup"),
-        "eval_pass@1": {"before": before, "after": after, "gain": round(after - before, 4)},
+        "eval_pass@1": {"before": before, "after": after, "gain": round(after - before, 4),
+                        "what": "mean accuracy of k samples per problem at the rollout temperature"},
+        "eval_greedy_pass@1": {k: summary[f"eval_{k}"].get("greedy_pass@1") for k in ("before", "after")},
         "reward": {"first5_mean": round(first, 4), "last5_mean": round(last, 4), "gain": round(last - first, 4),
                    "per_step": [round(x, 4) for x in rewards]},
         "groups_mixed_frac": {"first5_mean": round(statistics.mean(r["groups/mixed_frac"] for r in rows[:5]), 3),

@@ -1,5 +1,6 @@
-"""The embedded default learns (marker `slow`, minutes): `python -m rl.train` with no model/data arguments warms
-up the tiny M3, quantizes it, passes rl.check, and GRPO raises the training reward and the eval accuracy."""
+"""The embedded default learns (marker `slow`: ~7 min from an empty cache): `python -m rl.train` with no model/data
+arguments warms up the tiny M3, quantizes it, passes rl.check, and GRPO raises the training reward and the eval
+pass@1 of the sampled policy by the margins issue 12 asks for (results/make_train_cpu.json has three seeds)."""
 
 import json
 import os
@@ -23,5 +24,5 @@ def test_embedded_default_reward_goes_up(tmp_path):
     first = sum(r["reward/mean"] for r in rows[:5]) / 5
     last = sum(r["reward/mean"] for r in rows[-5:]) / 5
     assert summary["check_step0"]["passed"]
-    assert last > first + 0.05, (first, last)
+    assert last >= first + 0.10, (first, last)
     assert summary["eval_after"]["pass@1"] >= summary["eval_before"]["pass@1"] + 0.15, summary
