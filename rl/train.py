@@ -186,13 +186,14 @@ class Session:
         return run_check(self.engine, self.model, prompts, self.cfg, tensors, peft_cfg,
                          self.cfg.data.max_response_length)
 
-    def evaluate(self, k: int = 4) -> dict:
+    def evaluate(self) -> dict:
         """On the eval split, through the colocated engine (rl.eval): pass@1 of the policy being trained (k samples
         per problem at the rollout temperature; its unbiased estimate is the mean accuracy, avg@k), pass@k, and the
         greedy decode's accuracy (`greedy_pass@1`, a different policy: the argmax)."""
         from rl.eval import evaluate
 
         c = self.cfg
+        k = c.trainer.eval_k
         sampled = evaluate(self.engine, self.eval_rows, k=k, temperature=c.rollout.temperature,
                            max_tokens=c.data.max_response_length, seed=c.trainer.seed, return_details=False)
         greedy = evaluate(self.engine, self.eval_rows, k=1, temperature=0.0, max_tokens=c.data.max_response_length,
@@ -303,28 +304,28 @@ class Session:
                 self.scheduler.step()
             self.log(f"resumed from {resumed} at step {start}")
         self.sync()
-        summary = {"run_dir": str(self.run_dir), "seed": c.trainer.seed, "model": self.model_path, "warmup": self.warmup_stats,
-                   "data": self.data_stats, "resumed_from_step": start}
+        summary = {"run_dir": str(self.run_dir), "seed": c.trainer.seed, "model": self.model_path,
+                   "warmup": self.warmup_stats, "data": self.data_stats, "resumed_from_step": start}
         if c.trainer.check_at_start and start == 0:
             summary["check_step0"] = check = self.check()
             self.log("check: " + json.dumps({k: check[k] for k in ("weights_exact", "passed", "routing_agreement",
                                                                     "logprobs")}))
             if not check["passed"]:
                 raise RuntimeError(f"rl.check failed at step 0: {json.dumps(check)}")
-        summary["eval_before"] = self.evaluate(c.trainer.eval_k) if self.rank == 0 else {}
+        summary["eval_before"] = self.evaluate() if self.rank == 0 else {}
         self.log(f"eval before: {summary['eval_before']}")
         for step in range(start + 1, c.trainer.total_training_steps + 1):
             metrics = self.step(step)
             nan_streak = nan_streak + 1 if metrics.get("train/skipped_nonfinite") else 0
             if c.trainer.test_freq and step % c.trainer.test_freq == 0 and self.rank == 0:
-                metrics.update({f"eval/{k}": v for k, v in self.evaluate(c.trainer.eval_k).items()})
+                metrics.update({f"eval/{k}": v for k, v in self.evaluate().items()})
             logger.log(step, metrics)  # one console line per step; every metric to metrics.jsonl and W&B
             if nan_streak >= c.trainer.max_nan_steps:
                 self.save(step, {"stopped": "non-finite loss"})
                 raise RuntimeError(f"{nan_streak} non-finite steps in a row (step {step}); checkpoint saved")
             if step % c.trainer.save_freq == 0 or step == c.trainer.total_training_steps:
                 self.save(step, {})
-        summary["eval_after"] = self.evaluate(c.trainer.eval_k) if self.rank == 0 else {}
+        summary["eval_after"] = self.evaluate() if self.rank == 0 else {}
         self.log(f"eval after: {summary['eval_after']}")
         rows = logger.rows
         summary["steps"] = c.trainer.total_training_steps

@@ -122,22 +122,21 @@ def request_token_positions(query_start: list[int], query_lens: list[int], conte
     return [torch.arange(c, c + q) for c, q in zip(context_lens, query_lens)]
 
 
-def gather_request_rows(cache: torch.Tensor, block_table_row: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """The first `num_tokens` token rows of one request from a paged cache [num_blocks, block, ...]."""
-    nb = (num_tokens + SPARSE_BLOCK - 1) // SPARSE_BLOCK
-    rows = cache[block_table_row[:nb].long()]
-    return rows.reshape(nb * rows.shape[1], *rows.shape[2:])[:num_tokens]
-
-
 def gather_batch_rows(cache: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """`gather_request_rows` for R requests at once: [R, max(lengths), ...], rows past each length zeroed (a paged
-    cache holds stale or uninitialised values there, and 0 * NaN would reach the attention output)."""
+    """The first `lengths[r]` token rows of each request r from a paged cache [num_blocks, block, ...]:
+    [R, max(lengths), ...], rows past each length zeroed (a paged cache holds stale or uninitialised values there,
+    and 0 * NaN would reach the attention output)."""
     length = int(lengths.max())
     nb = (length + SPARSE_BLOCK - 1) // SPARSE_BLOCK
     rows = cache[block_table[:, :nb].long()]  # [R, nb, block, ...]
     rows = rows.reshape(rows.shape[0], nb * rows.shape[2], *rows.shape[3:])[:, :length]
     valid = (torch.arange(length)[None, :] < lengths[:, None]).view(*lengths.shape, length, *[1] * (rows.dim() - 2))
     return torch.where(valid, rows, torch.zeros((), dtype=rows.dtype))
+
+
+def gather_request_rows(cache: torch.Tensor, block_table_row: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The first `num_tokens` token rows of one request: [num_tokens, ...]."""
+    return gather_batch_rows(cache, block_table_row[None], torch.tensor([num_tokens]))[0]
 
 
 def index_block_topk(

@@ -5,10 +5,7 @@ forward and input gradient) matches the reference expert loop. Their CUDA runs: 
 """
 
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,9 +13,7 @@ import torch
 from quant import serving
 from quant.kernels import nvfp4_moe as moe
 from quant.kernels.nvfp4_dequant import dequant_dgrad, dequant_fwd
-
-ROOT = Path(__file__).resolve().parents[2]
-INTERPRETER_SITE = ROOT / ".venv" / "triton-interpret"
+from tests.triton_interpreter import run_under_interpreter
 
 
 def _every_byte(e=3, n=16, k=512, seed=0):
@@ -47,11 +42,7 @@ if __name__ == "__main__":  # the interpreter subprocess
 
 
 def test_decode_under_the_interpreter_is_bit_exact():
-    assert (INTERPRETER_SITE / "triton").is_dir(), f"{INTERPRETER_SITE} missing: run scripts/install/setup_env.sh"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(INTERPRETER_SITE), str(ROOT)]))
-    p = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    r = json.loads(p.stdout.strip().splitlines()[-1])
+    r = run_under_interpreter(__file__)
     assert r["same_nan"] and r["bits_equal"], r
     assert r["nan_count"] > 0  # NaN scales (0x7F, 0xFF) were among the inputs
 

@@ -8,16 +8,12 @@ GPU (`-m gpu`): bf16 at 4K, packed and 32K tokens with M3's 64 q / 4 KV heads, t
 """
 
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-INTERPRETER_SITE = ROOT / ".venv" / "triton-interpret"
+from tests.triton_interpreter import run_under_interpreter
 
 
 def _case(lengths, hq, hkv, dim, topk, tokens_per_group, chunk_groups=None, seed=0):
@@ -66,11 +62,7 @@ if __name__ == "__main__":  # the interpreter subprocess
 
 
 def test_kernels_under_the_interpreter_match_reference():
-    assert (INTERPRETER_SITE / "triton").is_dir(), f"{INTERPRETER_SITE} missing: run scripts/install/setup_env.sh"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(INTERPRETER_SITE), str(ROOT)]))
-    p = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    report = json.loads(p.stdout.strip().splitlines()[-1])
+    report = run_under_interpreter(__file__)
     print(json.dumps(report, indent=1))
     # Index scores of bf16 values summed in fp32 (exactly, under the interpreter): the same blocks everywhere.
     assert report.pop("selection") == {"agreement": 1.0, "same_shape": True}
