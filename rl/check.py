@@ -9,13 +9,18 @@ Non-zero exit when a configured threshold is exceeded. Also run at step 0 of tra
 import json
 import sys
 
+import hydra
 import numpy as np
 import torch
 
 from rl.algorithm import train_rollout_kl
 from rl.batch import pack_rollouts
+from rl.config import register
 from rl.model import ForwardStats
+from rl.session import Session
 from rollout.adapter_sync import adapter_checksum
+
+register()
 
 
 def run_check(engine, model, prompt_ids: list[list[int]], cfg, adapter_tensors, peft_cfg, max_tokens: int) -> dict:
@@ -55,24 +60,20 @@ def run_check(engine, model, prompt_ids: list[list[int]], cfg, adapter_tensors, 
     return result
 
 
-def main() -> None:
+def check_session(s: Session) -> dict:
+    """`run_check` on a session's engine and model with its current adapter, on the first eval prompts."""
+    tensors, peft_cfg = s.adapter()
+    prompts = s.eval_prompts[:s.cfg.check.batch_prompts]
+    return run_check(s.engine, s.model, prompts, s.cfg, tensors, peft_cfg, s.cfg.data.max_response_length)
+
+
+@hydra.main(config_path="../configs", config_name="config", version_base=None)
+def main(cfg) -> None:
     """Same configuration as rl.train (Hydra): builds the engine and trainer, runs the check, prints JSON."""
-    import hydra
-
-    from rl.config import register
-
-    register()
-
-    @hydra.main(config_path="../configs", config_name="config", version_base=None)
-    def _main(cfg):
-        from rl.train import Session
-
-        with Session(cfg, for_check=True) as s:
-            result = s.check()
-        print(json.dumps(result, indent=2))
-        sys.exit(0 if result["passed"] else 1)
-
-    _main()
+    with Session(cfg) as s:
+        result = check_session(s)
+    print(json.dumps(result, indent=2))
+    sys.exit(0 if result["passed"] else 1)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rl.lora import load_adapter_tensors, write_adapter
+from rl.model.lora import load_adapter_tensors, write_adapter
 
 
 def save(run_dir: Path, step: int, adapter_fp32: dict, lora_cfg, optimizer, cursor, extra: dict) -> Path:

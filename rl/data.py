@@ -341,6 +341,22 @@ def make_addition_splits(n_train: int | None = None, n_eval: int | None = 500, s
     return train, evals
 
 
+def load_splits(data_cfg) -> tuple[list[dict], list[dict], dict]:
+    """(train rows, eval rows, counts of bad rows) for a run's `data` config: the built-in addition task, or the
+    parquet files of `data.kind` (DAPO-Math-17K trains against AIME-2024)."""
+    if data_cfg.train_files == "builtin":
+        train, evals = make_addition_splits(seed=data_cfg.seed, n_eval=data_cfg.val_size)
+        return train, evals, {}
+    for key in ("train_files", "val_files"):
+        if not Path(data_cfg[key]).is_file():
+            raise FileNotFoundError(f"data.{key}: no file at {data_cfg[key]}")
+    loaders = {"verl": load_verl_parquet, "dapo_math_17k": load_dapo_math_17k, "aime_2024": load_aime_2024}
+    train, rep_t = loaders[data_cfg.kind](data_cfg.train_files, on_bad_row=data_cfg.on_bad_row)
+    val_loader = load_aime_2024 if data_cfg.kind == "dapo_math_17k" else load_verl_parquet
+    evals, rep_e = val_loader(data_cfg.val_files, on_bad_row=data_cfg.on_bad_row)
+    return train, evals[:data_cfg.val_size], {"bad_rows_train": rep_t.n_bad, "bad_rows_val": rep_e.n_bad}
+
+
 # ----------------------------------------------------------------------------------------------
 # tokenization
 

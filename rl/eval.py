@@ -32,7 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from rl.data import load_verl_parquet, prompt_token_ids
 from rl.rewards import compute_score
+from rollout.adapter_sync import SERVED_LORA_RANKS
 
 ScoreFn = Callable[[str, str, str], dict]
 
@@ -86,8 +88,6 @@ class CompletionsClient:
     def encode(self, messages: list[dict]) -> list[int]:
         messages = [{"role": m["role"], "content": m["content"]} for m in messages]
         if self.tokenizer is not None:
-            from rl.data import prompt_token_ids
-
             return prompt_token_ids(self.tokenizer, messages)
         out = self._request("/tokenize", {"model": self.model, "messages": messages, "add_generation_prompt": True})
         return [int(t) for t in out["tokens"]]
@@ -122,8 +122,6 @@ class EngineSampler:
         self.max_model_len = engine.cfg.max_model_len
 
     def encode(self, messages: list[dict]) -> list[int]:
-        from rl.data import prompt_token_ids
-
         return prompt_token_ids(self.tokenizer, messages)
 
     def sample(self, prompts: list[list[int]], n: int, temperature: float, max_tokens: int, top_p: float = 1.0,
@@ -287,8 +285,6 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries the one JSON object
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # colocated: one process, as in training
-    from rl.data import load_verl_parquet
-
     rows, report = load_verl_parquet(args.data, on_bad_row="skip")
     print(report.summary(), file=sys.stderr)
     if args.limit is not None:
@@ -308,12 +304,12 @@ def main(argv=None) -> dict:
             run.update(url=args.url, served_model=client.model)
             result = evaluate(client, rows, **sampling)
         else:
-            from rollout.engine import EngineConfig, RolloutEngine
+            from rollout.engine import EngineConfig, RolloutEngine  # imports vLLM: not needed with --url
 
             adapter = load_adapter_files(args.adapter) if args.adapter else None
             rank = int(adapter[1].get("r", 32)) if adapter else 32
-            # vLLM takes only these max ranks; the smallest that fits keeps the LoRA buffers small.
-            max_rank = min((r for r in (8, 16, 32, 64, 128, 256, 320, 512) if r >= rank), default=rank)
+            # The smallest max rank vLLM serves that fits keeps the LoRA buffers small.
+            max_rank = min((r for r in SERVED_LORA_RANKS if r >= rank), default=rank)
             engine = RolloutEngine(EngineConfig(
                 model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, enable_lora=adapter is not None,
                 max_lora_rank=max_rank, capture_routing=False, seed=args.seed or 0))

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
+from m3.tiny import ensure_tiny_model, write_served_copy
+from quant.convert import quantize_checkpoint
 from rl.data import prompt_token_ids
-from rollout.tiny_model import TinyModelPaths, ensure_tiny_model, write_served_copy
 
 
 def _examples(rows, tokenizer):
@@ -112,8 +113,6 @@ def _serve(paths, state, root: Path, served: Path, cfg) -> Path:
     plain = write_served_copy(paths, root / f"{cfg.model.dtype}-plain", state, cfg.model.dtype)
     if cfg.model.base != "quantized":
         return plain
-    from quant.convert import quantize_checkpoint
-
     tmp = served.with_name(served.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     quantize_checkpoint(plain, tmp)

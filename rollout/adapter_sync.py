@@ -14,6 +14,10 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+# The LoRA ranks vLLM serves (its `MaxLoRARanks`; tests/rollout compares the two). Here, not in engine.py, so that
+# config validation can read it without importing vLLM.
+SERVED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
 
 class AdapterError(ValueError):
     """The adapter does not fit the served model; the engine keeps serving the previous adapter."""

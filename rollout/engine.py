@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rollout.adapter_sync import AdapterError, adapter_checksum, check_finite, pack_adapter
+import rollout.plugin
+from rollout.adapter_sync import SERVED_LORA_RANKS, AdapterError, adapter_checksum, check_finite, pack_adapter
 from rollout.capture import decode_array
 from rollout.plugin.lora import TARGET_MODULES
 
@@ -54,8 +55,8 @@ class EngineConfig:
         if (self.capture_routing or self.capture_blocks) and self.enable_prefix_caching:
             raise ValueError("rollout.enable_prefix_caching=true drops routing/block rows of cached tokens; "
                              "turn it off while capture_routing or capture_blocks is on")
-        if self.max_lora_rank not in (1, 8, 16, 32, 64, 128, 256, 320, 512):
-            raise ValueError(f"rollout.max_lora_rank={self.max_lora_rank}: vLLM supports 1, 8, 16, 32, 64, ...")
+        if self.max_lora_rank not in SERVED_LORA_RANKS:
+            raise ValueError(f"rollout.max_lora_rank={self.max_lora_rank}: vLLM serves {list(SERVED_LORA_RANKS)}")
 
 
 @dataclass
@@ -75,8 +76,6 @@ class RolloutEngine:
         if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # one process: run vLLM in it (colocated, no IPC)
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
-
-        import rollout.plugin
 
         rollout.plugin.register()  # in this process too (in-process engines build the model here)
         self.cfg = cfg

@@ -133,7 +133,7 @@ def build_vllm_argv(argv: list[str] | None = None, *, on_cpu: bool | None = None
             raise ServeError(f"--adapter {name}={path}: rank {rank} > --max-lora-rank {max_rank}")
 
     # Imported only now: importing vLLM takes ~15 s on a small CPU, too long to wait for a typo's error.
-    from rollout.plugin.lora import TARGET_MODULES
+    from rollout.plugin.lora import TARGET_MODULES  # imports vLLM (above)
 
     on_cpu = _is_cpu() if on_cpu is None else on_cpu
     out = [str(model), "--host", ours.host, "--port", str(ours.port)]
@@ -164,12 +164,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"rollout.serve: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 
-    import rollout.plugin
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.logger import configure_logging_from_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    import rollout.plugin  # imports vLLM: only after the arguments are checked
 
     rollout.plugin.register()  # this (front-end) process; the engine core gets it from the entry point
     if _option_value("--distributed-executor-backend", vllm_argv) == "uni":

@@ -49,8 +49,8 @@ def child(repeats: int) -> dict:
     import torch
     from peft import LoraConfig, get_peft_model
 
+    from m3.tiny import ensure_tiny_model
     from rollout.engine import EngineConfig, RolloutEngine
-    from rollout.tiny_model import ensure_tiny_model
     from tests.rollout.hf_reference import load_reference
 
     paths = ensure_tiny_model(dtype="bfloat16")

@@ -26,7 +26,7 @@ def one_run(dtype: str) -> dict:
     t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
 
-    from rollout.tiny_model import ensure_tiny_model
+    from m3.tiny import ensure_tiny_model
 
     paths = ensure_tiny_model(dtype=dtype)
     t_import = time.perf_counter()

@@ -24,8 +24,8 @@ TINY = {"num_hidden_layers": 2, "num_local_experts": 4}  # the embedded default'
 
 
 def random_adapter(model_dir: str, seed: int = 0):
-    from rl.lora import LoRAConfig, adapter_state_dict, peft_config
     from rl.model import M3ForTraining, TrainerModelConfig
+    from rl.model.lora import LoRAConfig, adapter_state_dict, peft_config
 
     cfg = LoRAConfig()
     model = M3ForTraining(TrainerModelConfig(path=model_dir, dtype="float32", base="bf16", lora=cfg))
@@ -58,8 +58,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("M3RL_TORCH_THREADS", "1")))  # as rl.train's RL phase
 
+    from m3.tiny import ensure_tiny_model
     from rollout.engine import EngineConfig, RolloutEngine
-    from rollout.tiny_model import ensure_tiny_model
 
     paths = ensure_tiny_model(ROOT / "cache" / "tiny_models", dtype="float32", **TINY)
     tensors, peft_cfg = random_adapter(str(paths.vllm))

@@ -63,9 +63,9 @@ def grouped_mm_fn(x, w, offs_end, transpose):
 
 def bench_lora(tokens, loop, rep_ms, rank=32):
     """Expert LoRA (gate_up + down, rank 32, fp32 masters) fwd+bwd on tokens x top-4 routed rows: grouped
-    (rl.lora.grouped_lora_delta, torch._grouped_mm) vs the per-expert loop it replaced; and the bf16 base gate_up
+    (rl.model.lora.grouped_lora_delta, torch._grouped_mm) vs the per-expert loop it replaced; and the bf16 base gate_up
     _grouped_mm for scale."""
-    from rl.lora import ExpertLoRA, LoRAConfig
+    from rl.model.lora import ExpertLoRA, LoRAConfig
 
     lora = ExpertLoRA(E, HIDDEN, INTER, LoRAConfig(rank=rank, alpha=2 * rank)).cuda()
     with torch.no_grad():

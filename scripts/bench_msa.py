@@ -1,4 +1,4 @@
-"""Time MSA (rl.msa) forward+backward against dense causal SDPA, one sequence per length.
+"""Time MSA (rl.model.msa) forward+backward against dense causal SDPA, one sequence per length.
 
     python scripts/bench_msa.py                                   # 4K/16K/32K/64K, 64 q / 4 KV heads, d=128, bf16
     python scripts/bench_msa.py --lengths 4096 --packed 4 --repeats 5 --out results/msa.json
@@ -6,7 +6,7 @@
 Each case reports the median (and min/max) over --repeats timed runs after --warmup runs, with CUDA events:
 - select: `select_blocks` (no grad), index heads = KV heads, top-k of the visible blocks;
 - msa_fwd / msa_fwd_bwd: `sparse_attention` (its index tables / block mask built inside, validation off), backward
-  w.r.t. q, k, v; --impl triton (rl.msa_triton, the default), flex or reference;
+  w.r.t. q, k, v; --impl triton (rl.model.msa_triton, the default), flex or reference;
 - sdpa_fwd / sdpa_fwd_bwd: `scaled_dot_product_attention(is_causal=True, enable_gqa=True)` on the same q, k, v;
 - tiles (flex): KV tiles listed per Q tile in the BlockMask (the union of the 128 queries' selections; top-k is the
   floor); union (triton): key blocks each group of tokens visits (union of its tokens' selections);
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from rl import msa  # noqa: E402
+from rl.model import msa  # noqa: E402
 
 BLOCK_KEYS = msa.BLOCK
 SWEEP = [(1, 4, 3), (2, 4, 3), (2, 4, 4), (2, 8, 3), (4, 4, 3)]  # (tokens per group, warps, stages)
@@ -119,7 +119,7 @@ def bench_length(total, args, device, dtype, gen):
         row["block_mask"] = timed(lambda: msa.build_block_mask(ids, cu), args.warmup, args.repeats, device)
 
     if args.impl == "triton":
-        from rl import msa_triton
+        from rl.model import msa_triton
 
         plan = msa_triton.build_plan(ids, cu, max(1, min(8, 16 // (args.hq // args.hkv))))  # msa_triton's default
         row["union"] = {"mean_per_group": plan.count.float().mean().item(), "max_per_group": int(plan.count.max()),

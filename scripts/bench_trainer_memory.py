@@ -10,7 +10,7 @@ the full width does not fit in bf16 (~30 GB); results/trainer_memory_cpu.json us
 (4-7 min per case).
 
 Models:
-- tiny: the rollout.tiny_model checkpoint (hidden 256, 8 experts), trained in bf16.
+- tiny: the m3.tiny checkpoint (hidden 256, 8 experts), trained in bf16.
 - slice: an "M3-shaped slice", 2 decoder layers at full MiniMax-M3 width (hidden 6144, 64 q / 4 KV heads of 128,
   `--slice-experts` experts top-4 of intermediate 3072, MSA with 4 index heads of 128 and top-16 blocks, vocab cut
   to 4096), both layers MoE + sparse attention as 57 of M3's 60 are. It is written once to cache/ as a served
@@ -61,7 +61,7 @@ SLICE_VERSION = 1  # bump when the slice recipe changes (invalidates cache/)
 
 # --- the slice checkpoint -----------------------------------------------------------------------------------------
 def slice_text_config(experts: int) -> dict:
-    from rollout.tiny_model import resolve_text_config, validate_config
+    from m3.config import resolve_text_config, validate_config
 
     t = resolve_text_config(**SLICE, num_local_experts=experts)
     validate_config(t)
@@ -75,13 +75,19 @@ def slice_dir(experts: int) -> Path:
 
 def build_slice(experts: int, device: str = "cpu", seed: int = 0) -> Path:
     """Write the slice checkpoint (idempotent: a complete one is reused). Weights are drawn per tensor name as
-    rollout.tiny_model draws them, so the first experts of a wider slice equal a narrower slice's."""
+    m3.weights draws them, so the first experts of a wider slice equal a narrower slice's."""
     import torch
 
+    from m3.weights import weight_specs
     from quant import convert as qc
-    from quant.checkpoint import CheckpointWriter, QuantizedCheckpoint, mixed_precision_config, nvfp4_global_scale, \
-        quantize_mxfp8, quantize_nvfp4
-    from rollout.tiny_model import weight_specs
+    from quant.checkpoint import (
+        CheckpointWriter,
+        QuantizedCheckpoint,
+        mixed_precision_config,
+        nvfp4_global_scale,
+        quantize_mxfp8,
+        quantize_nvfp4,
+    )
 
     out = slice_dir(experts)
     if (out / "DONE").is_file():
@@ -91,7 +97,7 @@ def build_slice(experts: int, device: str = "cpu", seed: int = 0) -> Path:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
 
-    def draw(key):  # rollout.tiny_model.init_weights' recipe: one generator per tensor name
+    def draw(key):  # m3.weights.init_weights' recipe: one generator per tensor name
         shape, std, fp32 = specs[key]
         name_seed = int.from_bytes(hashlib.sha256(f"{seed}/{key}".encode()).digest()[:8], "little")
         w = torch.randn(shape, generator=torch.Generator().manual_seed(name_seed >> 1)) * std
@@ -191,13 +197,13 @@ def detach_from_files(model) -> None:
 
 def recompute_dequantized_weights() -> None:
     """The what-if: rebuild each dequantized weight in backward instead of keeping it (checkpoint per GEMM). On
-    CUDA the bf16 MoE already runs the grouped NVFP4 kernels (rl.model.MoE._grouped), which keep only the packed
+    CUDA the bf16 MoE already runs the grouped NVFP4 kernels (rl.model.transformer.MoE._grouped), which keep only the packed
     weights; there this changes the MXFP8 projections alone."""
     import torch
     from torch.utils.checkpoint import checkpoint
 
     from quant.serving import MXFP8Linear
-    from rl.quantized_base import ExpertWeights
+    from rl.model.quantized_base import ExpertWeights
 
     expert, fwd = ExpertWeights._expert_linear, MXFP8Linear.forward
 
@@ -216,8 +222,8 @@ def measure(spec: dict) -> dict:
     import torch
 
     torch.set_num_threads(spec["threads"])
-    from rl.lora import lora_parameters
     from rl.model import M3ForTraining, TrainerModelConfig
+    from rl.model.lora import lora_parameters
 
     cuda = spec["device"] == "cuda"
     out = {"baseline_rss_gb": _status_kb("VmRSS") * 1024 / GB}
@@ -328,7 +334,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from rollout.tiny_model import ensure_tiny_model
+    from m3.tiny import ensure_tiny_model
 
     command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, ROOT), *sys.argv[1:]])
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -343,7 +349,7 @@ def main(argv=None) -> int:
         "threads": args.threads, "mem_limit_gb": limit and round(limit, 1), "slice_experts": args.slice_experts},
         "notes": [], "ratios": {}, "cases": {}, "not_measured": {}}
     metric = "step_peak_gb"
-    grouped = args.device == "cuda" and args.dtype == "bfloat16"  # rl.model.MoE takes the grouped kernels then
+    grouped = args.device == "cuda" and args.dtype == "bfloat16"  # rl.model.transformer.MoE takes the grouped kernels then
     report["notes"] = [
         "step_peak_gb: " + ("max_memory_allocated over one forward+backward (weights, LoRA and its gradients "
                             "included)" if args.device == "cuda" else

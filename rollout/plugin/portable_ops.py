@@ -13,12 +13,15 @@ token with its request's keys, zero-padded to the longest request and masked by 
 
 import torch
 
+from m3.ops import (
+    FORCED_INIT_SCORE,
+    FORCED_LOCAL_SCORE,
+    MSA_BLOCK,
+    NAN_SCORE,
+    neox_rope,
+    swigluoai_uninterleave,  # noqa: F401  (the plugin's experts call it from here, next to its peers)
+)
 from quant.kv_cache import nvfp4_kv_qdq
-
-SPARSE_BLOCK = 128  # vLLM's MSA page size; the only block size its kernels support
-FORCED_INIT_SCORE = 1e30  # init blocks are forced first ...
-FORCED_LOCAL_SCORE = 1e29  # ... then the local (most recent) blocks; local wins when a block is both
-NAN_SCORE = -1e30
 
 # NVFP4 cache emulation for this process's model, set from the engine config when the model is built (see
 # patches._patch_nvfp4_kv_cache): the caches keep a wide dtype but hold exactly what the SM100 NVFP4 writer would
@@ -44,15 +47,6 @@ def gemma_fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: tor
     x.copy_(out)
 
 
-def neox_rope(x: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
-    """Partial NeoX RoPE on the first `rotary_dim` channels; x [N, heads, D], cos_sin [N, rotary_dim] = [cos|sin]."""
-    half = rotary_dim // 2
-    cos = cos_sin[:, None, :half].float()
-    sin = cos_sin[:, None, half:rotary_dim].float()
-    xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:rotary_dim]
-    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, xf[..., rotary_dim:]], dim=-1)
-    return rotated.to(x.dtype)
 
 
 def _norm_rope(x, weight, cos_sin, rotary_dim, eps):
@@ -127,7 +121,7 @@ def gather_batch_rows(cache: torch.Tensor, block_table: torch.Tensor, lengths: t
     [R, max(lengths), ...], rows past each length zeroed (a paged cache holds stale or uninitialised values there,
     and 0 * NaN would reach the attention output)."""
     length = int(lengths.max())
-    nb = (length + SPARSE_BLOCK - 1) // SPARSE_BLOCK
+    nb = (length + MSA_BLOCK - 1) // MSA_BLOCK
     rows = cache[block_table[:, :nb].long()]  # [R, nb, block, ...]
     rows = rows.reshape(rows.shape[0], nb * rows.shape[2], *rows.shape[3:])[:, :length]
     valid = (torch.arange(length)[None, :] < lengths[:, None]).view(*lengths.shape, length, *[1] * (rows.dim() - 2))
@@ -152,17 +146,17 @@ def index_block_topk(
     """
     t_count, heads, _ = index_q.shape
     length = int(positions.max()) + 1
-    nb = (length + SPARSE_BLOCK - 1) // SPARSE_BLOCK
+    nb = (length + MSA_BLOCK - 1) // MSA_BLOCK
     keys = index_keys[..., :length, :].float()
     scores = torch.einsum("thd,ld->htl" if keys.dim() == 2 else "thd,tld->htl", index_q.float(), keys)
     key_pos = torch.arange(length)
     scores = scores.masked_fill(key_pos[None, None, :] > positions[None, :, None], float("-inf"))
-    scores = torch.nn.functional.pad(scores, (0, nb * SPARSE_BLOCK - length), value=float("-inf"))
-    block_scores = scores.view(heads, t_count, nb, SPARSE_BLOCK).amax(-1)
+    scores = torch.nn.functional.pad(scores, (0, nb * MSA_BLOCK - length), value=float("-inf"))
+    block_scores = scores.view(heads, t_count, nb, MSA_BLOCK).amax(-1)
     block_scores = torch.nan_to_num(block_scores, nan=NAN_SCORE, posinf=float("inf"), neginf=float("-inf"))
 
     block_ids = torch.arange(nb)
-    valid = (positions // SPARSE_BLOCK + 1)[:, None]  # [T, 1]
+    valid = (positions // MSA_BLOCK + 1)[:, None]  # [T, 1]
     is_init = (block_ids[None, :] < init_blocks) & (block_ids[None, :] < valid)
     is_local = (block_ids[None, :] >= valid - local_blocks) & (block_ids[None, :] < valid)
     block_scores = torch.where(is_init[None], torch.full_like(block_scores, FORCED_INIT_SCORE), block_scores)
@@ -188,10 +182,10 @@ def block_sparse_attention(
     """
     t_count, hq, d = q.shape
     hkv, length, _ = keys.shape[-3:]
-    nb = (length + SPARSE_BLOCK - 1) // SPARSE_BLOCK
+    nb = (length + MSA_BLOCK - 1) // MSA_BLOCK
     chosen = torch.zeros(hkv, t_count, nb + 1, dtype=torch.bool)
     chosen.scatter_(2, torch.where(block_ids < 0, nb, block_ids).long(), True)  # -1 -> a spill column
-    key_mask = chosen[..., :nb].repeat_interleave(SPARSE_BLOCK, dim=-1)[..., :length]
+    key_mask = chosen[..., :nb].repeat_interleave(MSA_BLOCK, dim=-1)[..., :length]
     key_mask &= torch.arange(length)[None, None, :] <= positions[None, :, None]
     group = hq // hkv
     qf = q.float().permute(1, 0, 2).reshape(hkv, group, t_count, d)
@@ -203,12 +197,6 @@ def block_sparse_attention(
     return out.reshape(hq, t_count, d).permute(1, 0, 2).to(q.dtype)
 
 
-def swigluoai_uninterleave(gate_up: torch.Tensor, alpha: float, limit: float, beta: float = 1.0) -> torch.Tensor:
-    """M3's MoE activation on `[gate | up]` halves: `g*sigmoid(alpha*g)*(u+beta)` with g<=limit, |u|<=limit."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return gate * torch.sigmoid(alpha * gate) * (up + beta)
 
 
 def sigmoid_bias_topk(

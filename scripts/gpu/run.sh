@@ -2,7 +2,7 @@
 # A parametrized GPU run through the device tool, from the repo root (or a copy of it) with .whl carried:
 #   bash scripts/gpu/run.sh STEP...        (results land in $OUT, else results/gpu/run/)
 # STEPs, each logged to $OUT/<name>.log with its exit code and seconds in $OUT/summary.log:
-#   tests                 pytest -m gpu: tests/quant/test_kernels_gpu.py + tests/rl/test_trainer_gpu.py
+#   tests                 pytest -m gpu: tests/quant/test_kernels_gpu.py + tests/rl/model/test_trainer_gpu.py
 #   bench_expert          scripts/bench_expert_gemm.py: NVFP4 kernel vs decode+cuBLAS vs bf16 _grouped_mm at
 #                         64..32768 tokens, grouped expert LoRA vs the per-expert loop at 65,536 tokens
 #   bench_mxfp8           scripts/bench_mxfp8_linear.py --trainer (the trainer's projection shapes, 4 and 8 x 16K)
@@ -17,7 +17,7 @@ for step in "$@"; do
   if (( BUDGET - SECONDS < 30 )); then echo "$step skipped: out of RUN_BUDGET_S" | tee -a "$OUT/summary.log"; continue; fi
   case "$step" in
     tests)
-      M3RL_GPU_REPORT="$OUT/trainer_gpu.json" run tests "$(lim 260)" $P tests/quant/test_kernels_gpu.py tests/rl/test_trainer_gpu.py ;;
+      M3RL_GPU_REPORT="$OUT/trainer_gpu.json" run tests "$(lim 260)" $P tests/quant/test_kernels_gpu.py tests/rl/model/test_trainer_gpu.py ;;
     bench_expert)
       run bench_expert "$(lim 220)" python3 scripts/bench_expert_gemm.py --lora-loop --out "$OUT/bench_expert.json" ;;
     bench_mxfp8)

@@ -24,7 +24,7 @@ case "$profile" in
     "$venv/bin/python" scripts/install/make_vllm_shim.py 0.32.0 build/shim >/dev/null
     "$pip" install -q --no-deps build/shim/vllm-0.32.0+cpu-py3-none-any.whl
     # Triton only for its interpreter (TRITON_INTERPRET=1), outside site-packages so vLLM/torch never import it:
-    # tests run the GPU kernels' logic on CPU in a subprocess with this on PYTHONPATH (tests/rl/test_msa_triton.py).
+    # tests run the GPU kernels' logic on CPU in a subprocess with this on PYTHONPATH (tests/rl/model/test_msa_triton.py).
     "$pip" install -q --no-deps --target "$venv/triton-interpret" "triton==3.6.0"
     ;;
   gpu)

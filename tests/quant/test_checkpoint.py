@@ -21,6 +21,7 @@ import torch
 from quant_oracles import assert_bitwise_equal, mxfp8_utils, nvfp4_emulation_utils
 from safetensors.torch import load_file, save_file
 
+from m3.tiny import ensure_tiny_model
 from quant import checkpoint as ckpt_mod
 from quant.checkpoint import (
     CheckpointError,
@@ -31,7 +32,6 @@ from quant.checkpoint import (
     quantize_mxfp8,
     quantize_nvfp4,
 )
-from rollout.tiny_model import ensure_tiny_model
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "quantize_checkpoint.py"
 MOE = "model.layers.1.block_sparse_moe"

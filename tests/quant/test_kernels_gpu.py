@@ -391,7 +391,7 @@ def test_nvfp4_moe_dequant_m3_shapes(which):
 
 
 def test_grouped_expert_lora_cuda():
-    from rl.lora import ExpertLoRA, LoRAConfig
+    from rl.model.lora import ExpertLoRA, LoRAConfig
 
     gen = torch.Generator(device=DEV).manual_seed(51)
     e, hidden, inter = 128, 1024, 512

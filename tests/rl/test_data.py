@@ -10,9 +10,23 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rl.data import (BadRowError, DataCursor, PromptTooLong, SchemaError, addition_row, detect_aime_layout,
-                     encode_prompts, load_aime_2024, load_dapo_math_17k, load_verl_parquet, make_addition_splits,
-                     prompt_token_ids, split_of, validate_row, write_rows)
+from rl.data import (
+    BadRowError,
+    DataCursor,
+    PromptTooLong,
+    SchemaError,
+    addition_row,
+    detect_aime_layout,
+    encode_prompts,
+    load_aime_2024,
+    load_dapo_math_17k,
+    load_verl_parquet,
+    make_addition_splits,
+    prompt_token_ids,
+    split_of,
+    validate_row,
+    write_rows,
+)
 from rl.rewards import compute_score, route
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -181,7 +195,7 @@ def test_aime_2024_dedup_and_unknown_layout(tmp_path):
 def tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from rollout.tiny_model import build_tokenizer_files
+    from m3.tiny import build_tokenizer_files
 
     d = tmp_path_factory.mktemp("tok")
     for name, data in build_tokenizer_files():

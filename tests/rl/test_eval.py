@@ -11,10 +11,10 @@ import math
 
 import pytest
 
+from m3.tiny import ensure_tiny_model
 from rl import eval as rl_eval
 from rl.data import load_verl_parquet, make_addition_splits, prompt_token_ids, write_rows
 from rl.rewards import compute_score
-from rollout.tiny_model import ensure_tiny_model
 from tests.rollout.test_serve import launch_shared_server, server, shared_adapter  # noqa: F401 (fixture)
 
 K, MAX_TOKENS, N_ROWS = 3, 6, 4

@@ -6,8 +6,17 @@ import threading
 import pytest
 
 from rl import rewards
-from rl.rewards import (BUILTIN_ADDITION_SOURCE, INVALID, compute_score, get_reward_fn, math_dapo_score,
-                        math_verify_score, register_reward, route, strict_int_score)
+from rl.rewards import (
+    BUILTIN_ADDITION_SOURCE,
+    INVALID,
+    compute_score,
+    get_reward_fn,
+    math_dapo_score,
+    math_verify_score,
+    register_reward,
+    route,
+    strict_int_score,
+)
 
 KEYS = {"score", "acc", "pred"}
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rollout.tiny_model import ensure_tiny_model
+from m3.tiny import ensure_tiny_model
 from tests.rl.test_train import fast_overrides
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import torch
 
+from m3.tiny import ensure_tiny_model
 from rollout.engine import EngineConfig, RolloutEngine
-from rollout.tiny_model import ensure_tiny_model
 from tests.rollout.hf_reference import block_sets, load_reference, teacher_forced
 
 SHORT, LONG, NEW_TOKENS, BLOCK = 32, 700, 8, 128

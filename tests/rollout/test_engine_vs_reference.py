@@ -6,8 +6,16 @@ prompt and a 700-token prompt where MSA keeps a strict subset of the visible blo
 
 import pytest
 
-from tests.rollout.engine_fixtures import (BLOCK, LONG, SHORT, assert_within_bf16_bounds, block_agreement,
-                                          make_engine, prompt_ids, run_and_compare)
+from tests.rollout.engine_fixtures import (
+    BLOCK,
+    LONG,
+    SHORT,
+    assert_within_bf16_bounds,
+    block_agreement,
+    make_engine,
+    prompt_ids,
+    run_and_compare,
+)
 
 
 def _results(dtype: str) -> dict:

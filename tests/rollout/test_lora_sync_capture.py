@@ -13,6 +13,7 @@ from rollout.adapter_sync import AdapterError, adapter_checksum, pack_adapter
 from rollout.engine import ADAPTER_ID
 from tests.rollout.engine_fixtures import LONG, SHORT, make_adapter, make_engine, prompt_ids, run_and_compare
 
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     engine, reference, _ = make_engine("float32", max_loras=2)

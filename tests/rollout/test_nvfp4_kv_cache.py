@@ -36,7 +36,7 @@ def test_nvfp4_kv_cache_for_other_models_is_a_clear_error(tmp_path):
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from vllm import LLM
 
-    from rollout.tiny_model import ensure_tiny_model
+    from m3.tiny import ensure_tiny_model
 
     Qwen3ForCausalLM(Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                  num_attention_heads=2, num_key_value_heads=1, head_dim=32)).save_pretrained(tmp_path)

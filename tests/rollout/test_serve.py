@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout.tiny_model import ensure_tiny_model
+from m3.tiny import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 ADAPTER_NAME, BASE_NAME = "policy-test", "tiny-m3"
@@ -38,8 +38,8 @@ def free_port() -> int:
 
 def export_adapter(model_dir, out_dir, seed: int = 0) -> Path:
     """The trainer's adapter (peft format) with random A and B, so it visibly changes the served logprobs."""
-    from rl.lora import lora_parameters, save_adapter
     from rl.model import M3ForTraining, TrainerModelConfig
+    from rl.model.lora import lora_parameters, save_adapter
 
     # base="bf16": the adapter's names and shapes do not depend on the base's quantization, and skipping it is faster
     model = M3ForTraining(TrainerModelConfig(path=str(model_dir), dtype="bfloat16", base="bf16"))

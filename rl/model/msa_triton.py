@@ -1,6 +1,6 @@
 """MSA block-sparse attention as Triton kernels: forward and backward with true per-token block selection.
 
-Same contract as `rl.msa.sparse_attention` (q [T, Hq, D], k/v [T, Hkv, D], block_ids [T, Hkv, topk] per-sequence
+Same contract as `rl.model.msa.sparse_attention` (q [T, Hq, D], k/v [T, Hkv, D], block_ids [T, Hkv, topk] per-sequence
 128-token blocks, -1 = empty, causal inside the sequence). FlexAttention needs one key-tile list per 128-query tile,
 i.e. the union of 128 queries' selections, which approaches the whole prefix when neighbouring queries disagree
 (results/gpu/bench_msa.json: 118 of 128 visible tiles at 32K). Here the unit of work is a *group* of TT consecutive
@@ -17,7 +17,8 @@ flash attention and FlexAttention do):
 Key blocks are numbered globally (sequence by sequence), so packed sequences need no padding.
 
 Index scores (`select_blocks`): per 64 queries of one sequence and index head, the max over each visible 128-key
-block of <q, k> (bf16 operands, fp32 sums); the forced blocks and the top-k are rl.msa's, shared with the reference.
+block of <q, k> (bf16 operands, fp32 sums); the forced blocks and the top-k are rl.model.msa's, shared with the
+reference.
 
 Measured on one H200 (results/gpu/run9, run10; 64 q / 4 KV heads, d 128, top-16, bf16): forward + backward
 99 ms at 32K tokens (dense causal SDPA 113 ms, FlexAttention 588 ms), 196 ms at 64K (SDPA 444 ms); index scores +
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-BLOCK = 128  # MSA block (keys); one key tile
+from m3.ops import MSA_BLOCK as BLOCK  # one key tile
 CHUNK_GROUPS = 256  # dK/dV: groups per program before a block's list is split (atomic adds)
 
 
@@ -267,12 +268,11 @@ if triton is not None:
             tl.store(out_ptr + (rows * HI + h) * NB + b, tl.max(sc, 1), mask=ok)
 
 
-def select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, cu_seqlens, topk: int, init_blocks: int,
-                  local_blocks: int, queries_per_tile: int = 64) -> torch.Tensor:
-    """`rl.msa.select_blocks` with the index scores from a Triton kernel (index q/k rounded to bf16, fp32
-    accumulation, as vLLM's; only the summation order differs, so near-tied blocks can swap)."""
-    from rl import msa
-
+def index_block_scores(index_q: torch.Tensor, index_k: torch.Tensor, cu_seqlens,
+                       queries_per_tile: int = 64) -> torch.Tensor:
+    """The block scores `rl.model.msa.select_blocks` ranks, [H, T, blocks] fp32, from a Triton kernel: index q/k
+    rounded to bf16, fp32 accumulation, as vLLM's (only the summation order differs, so near-tied blocks can swap);
+    -inf past each query's visible keys."""
     _, kernel = _kernels()[0], _block_scores
     t_count, heads, dim = index_q.shape
     device = index_q.device
@@ -293,13 +293,12 @@ def select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, cu_seqlens, topk
         i32 = lambda x: x.to(torch.int32).contiguous()  # noqa: E731
         kernel[(len(seq), heads)](q, k, scores, i32(q0), i32(q1), i32(cu[seq]), scores.shape[2], HI=heads, D=dim,
                                   BQ=queries_per_tile, PREC="tf32" if q.is_cuda else "ieee")
-    pos = msa.token_positions(cu, device)
-    return msa.top_blocks(scores.permute(1, 0, 2), pos, topk, init_blocks, local_blocks)
+    return scores.permute(1, 0, 2)
 
 
 def _kernels():
     if triton is None:
-        raise RuntimeError("rl.msa_triton needs Triton (CUDA, or TRITON_INTERPRET=1 for tests)")
+        raise RuntimeError("rl.model.msa_triton needs Triton (CUDA, or TRITON_INTERPRET=1 for tests)")
     return triton, _fwd, _dq, _dkdv
 
 
@@ -357,7 +356,7 @@ class _SparseAttention(torch.autograd.Function):
 
 def sparse_attention(q, k, v, block_ids, cu_seqlens, scale: float, tokens_per_group: int | None = None,
                      num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
-    """`rl.msa.sparse_attention` semantics (validated ids expected); differentiable in q, k, v."""
+    """`rl.model.msa.sparse_attention` semantics (validated ids expected); differentiable in q, k, v."""
     g = q.shape[1] // k.shape[1]
     # 16-row tiles (1 token x 16 heads for M3): from 16K tokens up the smaller union beats the bigger tile
     # (results/gpu/run9/bench_msa.json sweep, fwd+bwd, 1 / 2 / 4 tokens per group: 98 / 113 / 126 ms at 32K,

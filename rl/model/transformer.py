@@ -17,14 +17,16 @@ from torch import nn
 from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
 from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLRMSNorm
 
+from m3.config import DTYPES
+from m3.ops import neox_rope, swigluoai_uninterleave
+from quant.kernels import nvfp4_moe_linear, sort_by_expert
 from quant.kv_cache import nvfp4_kv_qdq
-from rl import msa
-from rl.lora import ExpertLoRA, LoRAConfig, LoRALinear
-from rl.quantized_base import BaseWeights, ExpertWeights
-from rl.routing_replay import route, routing_agreement, validate_replay
-from rollout.plugin.portable_ops import neox_rope, swigluoai_uninterleave
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+from rl.model import msa
+from rl.model.lora import ExpertLoRA, LoRAConfig
+from rl.model.options import AttentionImpl, Base, DType, IndexerKVDType, KVCacheDType, MoEImpl, Profile, check_choice
+from rl.model.quantized_base import BaseWeights
+from rl.model.routing_replay import route, routing_agreement, validate_replay
+from rollout.capture import DENSE_LAYER
 
 
 @dataclass
@@ -43,16 +45,10 @@ class TrainerModelConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def validate(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"model.dtype={self.dtype!r}: expected one of {sorted(DTYPES)}")
-        for key, value, allowed in (("base", self.base, ("quantized", "bf16")),
-                                    ("profile", self.profile, ("hopper", "blackwell")),
-                                    ("kv_cache_dtype", self.kv_cache_dtype, ("auto", "nvfp4")),
-                                    ("indexer_kv_dtype", self.indexer_kv_dtype, ("bf16", "nvfp4")),
-                                    ("attention_impl", self.attention_impl, ("auto", "reference", "triton", "flex")),
-                                    ("moe_impl", self.moe_impl, ("auto", "loop", "grouped"))):
-            if value not in allowed:
-                raise ValueError(f"model.{key}={value!r}: expected one of {list(allowed)}")
+        for key, enum in (("dtype", DType), ("base", Base), ("profile", Profile), ("kv_cache_dtype", KVCacheDType),
+                          ("indexer_kv_dtype", IndexerKVDType), ("attention_impl", AttentionImpl),
+                          ("moe_impl", MoEImpl)):
+            check_choice(f"model.{key}", getattr(self, key), enum)
         if self.moe_chunk_tokens < 0:
             raise ValueError(f"model.moe_chunk_tokens={self.moe_chunk_tokens}: expected 0 (off) or a token count")
         self.lora.validate()
@@ -253,9 +249,7 @@ class MoE(nn.Module):
     def _grouped(self, x, weights, ids):
         """GPU path: all routed experts in two grouped GEMMs, tokens sorted by expert: NVFP4 (quant.kernels, the
         same serving form as the per-expert loop) or, for the bf16 base, torch._grouped_mm. Expert LoRA in grouped
-        GEMMs over the same offsets (rl.lora.grouped_lora_delta)."""
-        from quant.kernels import nvfp4_moe_linear, sort_by_expert
-
+        GEMMs over the same offsets (rl.model.lora.grouped_lora_delta)."""
         e = self.experts
         order, offsets = sort_by_expert(ids, self.num_experts)
         tok = order // self.top_k
@@ -394,8 +388,6 @@ class M3ForTraining(nn.Module):
         blocks: engine MSA block ids [T, num_sparse_layers, kv_heads, topk] (None: own selection)."""
         positions = msa.token_positions(cu_seqlens, input_ids.device)
         if routing is not None:
-            from rollout.capture import DENSE_LAYER
-
             validate_replay(torch.as_tensor(routing), len(input_ids), len(self.model.layers),
                             self.config.num_experts_per_tok,
                             self.num_experts, self.moe_layers, DENSE_LAYER(self.num_experts))
@@ -437,8 +429,6 @@ class M3ForTraining(nn.Module):
         """The choices a forward with `stats.keep_choices` used, in the engine's capture layout (rollout.capture):
         routing [T, layers, top_k] (dense layers hold DENSE_LAYER) and blocks [T, sparse layers, kv heads, topk],
         to replay them in another forward (e.g. on another device)."""
-        from rollout.capture import DENSE_LAYER
-
         any_ids = next(iter(stats.expert_ids.values()))
         routing = torch.full((any_ids.shape[0], len(self.model.layers), any_ids.shape[1]),
                              DENSE_LAYER(self.num_experts), dtype=torch.long)

@@ -14,10 +14,16 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLRMSNorm
 
-from quant.checkpoint import MXFP8Weight, NVFP4Weight, QuantizedCheckpoint, nvfp4_global_scale, quantize_mxfp8, \
-    quantize_nvfp4
+from quant.checkpoint import (
+    MXFP8Weight,
+    NVFP4Weight,
+    QuantizedCheckpoint,
+    nvfp4_global_scale,
+    quantize_mxfp8,
+    quantize_nvfp4,
+)
 from quant.serving import MXFP8Linear, marlin_flush_scales, nvfp4_linear
-from rl.lora import LoRAConfig, LoRALinear
+from rl.model.lora import LoRAConfig, LoRALinear
 
 
 class DenseLinear(nn.Module):
@@ -53,7 +59,7 @@ class ExpertWeights(nn.Module):
                             getattr(self, f"{name}_gs")[e], self.profile, dtype=self.dtype)
 
     def packed(self, name: str) -> torch.Tensor:
-        """The packed NVFP4 codes of "w13" / "w2" as uint8 (rl.fsdp may hold them in a 1-byte float container)."""
+        """The packed NVFP4 codes of "w13" / "w2" as uint8 (rl.model.fsdp may hold them in a 1-byte float container)."""
         return getattr(self, f"{name}_packed").view(torch.uint8)
 
     def gate_up(self, x, e: int):
@@ -68,7 +74,7 @@ class BaseWeights:
 
     def __init__(self, ckpt, dtype, base: str, profile: str, marlin_flush: bool, text_config: dict | None = None):
         """ckpt: a QuantizedCheckpoint, or anything with its tensor/read/dequantized methods
-        (rl.synthetic_base.SyntheticCheckpoint); text_config defaults to the checkpoint's config.json."""
+        (rl.model.synthetic_base.SyntheticCheckpoint); text_config defaults to the checkpoint's config.json."""
         self.ckpt, self.dtype, self.base, self.profile, self.marlin_flush = ckpt, dtype, base, profile, marlin_flush
         if text_config is None:
             cfg = json.loads((Path(ckpt.path) / "config.json").read_text())

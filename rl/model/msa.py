@@ -1,4 +1,5 @@
-"""MiniMax Sparse Attention (MSA) for the trainer: block selection, replay checks, differentiable block-sparse attention.
+"""MiniMax Sparse Attention (MSA) for the trainer: block selection, replay checks, differentiable block-sparse
+attention.
 
 The rollout engine (vLLM) computes, per sparse layer and per KV head h:
   score[h,t,b] = max over keys p of block b (128 tokens) with p <= pos(t) of <index_q[t,h], index_k[p]>
@@ -23,12 +24,8 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-# vLLM's constants, as in rollout.plugin.portable_ops (tests check they agree). Not imported from there: the
-# rollout.plugin package imports vLLM, which the trainer's import of this module should not require.
-BLOCK = 128  # MSA block = vLLM page; also the FlexAttention tile size below
-FORCED_INIT_SCORE = 1e30
-FORCED_LOCAL_SCORE = 1e29
-NAN_SCORE = -1e30
+from m3.ops import FORCED_INIT_SCORE, FORCED_LOCAL_SCORE, NAN_SCORE
+from m3.ops import MSA_BLOCK as BLOCK  # also the FlexAttention tile size below
 # Transient fp32 score memory per chunk. Both chunked loops are exact: chunking only splits independent queries.
 SELECT_CHUNK_BYTES = 512 << 20
 REFERENCE_CHUNK_BYTES = 512 << 20
@@ -65,8 +62,8 @@ def select_blocks(
     Rows are sorted by score (forced blocks first; their mutual order is not part of the contract) and -1 padded.
     `index_dtype` rounds index q/k as vLLM's index cache does (bf16 even for fp32 models); None keeps them as given.
     Queries are processed in chunks so the fp32 score buffer stays under SELECT_CHUNK_BYTES.
-    impl: "reference" (this torch code), "triton" (rl.msa_triton's scoring kernel, then the same choice; bf16 index
-    q/k only), "auto" (triton on CUDA with index_dtype bf16).
+    impl: "reference" (this torch code), "triton" (rl.model.msa_triton's scoring kernel, then the same choice; bf16
+    index q/k only), "auto" (triton on CUDA with index_dtype bf16).
     """
     t_count, heads, dim = index_q.shape
     if index_k.shape != (t_count, dim):
@@ -74,9 +71,10 @@ def select_blocks(
     if impl not in ("auto", "reference", "triton"):
         raise ValueError(f"impl must be 'auto', 'reference' or 'triton', got {impl!r}")
     if impl == "triton" or (impl == "auto" and index_q.is_cuda and index_dtype == torch.bfloat16):
-        from rl import msa_triton
+        from rl.model import msa_triton  # imports Triton: only on this path
 
-        return msa_triton.select_blocks(index_q, index_k, cu_seqlens, topk, init_blocks, local_blocks)
+        scores = msa_triton.index_block_scores(index_q, index_k, cu_seqlens)
+        return top_blocks(scores, token_positions(cu_seqlens, index_q.device), topk, init_blocks, local_blocks)
     if index_dtype is not None:
         index_q, index_k = index_q.to(index_dtype), index_k.to(index_dtype)
     out = torch.full((t_count, heads, topk), -1, dtype=torch.int32, device=index_q.device)
@@ -211,7 +209,7 @@ def sparse_attention(
 
     q [T, Hq, D]; k, v [T, Hkv, D]; block_ids [T, Hkv, topk] per-sequence block ids (-1 = empty);
     scale defaults to D**-0.5. Query head h reads KV head h // (Hq // Hkv) and that head's blocks.
-    impl: "reference" (chunked dense masked attention, exact, any device), "triton" (rl.msa_triton: per-token
+    impl: "reference" (chunked dense masked attention, exact, any device), "triton" (rl.model.msa_triton: per-token
     block-sparse kernels, CUDA bf16/fp16), "flex" (FlexAttention with a BlockMask, CUDA; forward only on CPU),
     "auto" (triton on CUDA in bf16/fp16, flex on CUDA in fp32, reference elsewhere).
     Returns [T, Hq, D] in q's dtype.
@@ -228,7 +226,7 @@ def sparse_attention(
     if impl == "reference":
         return _reference_attention(q, k, v, block_ids, cu_seqlens, scale, chunk_size)
     if impl == "triton":
-        from rl import msa_triton
+        from rl.model import msa_triton  # imports Triton: only on this path
 
         return msa_triton.sparse_attention(q, k, v, block_ids, cu_seqlens, scale)
     if impl == "flex":

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from rl.lora import LoRAConfig, adapter_state_dict, lora_parameters, peft_config, save_adapter
 from rl.model import ForwardStats, M3ForTraining, TrainerModelConfig
+from rl.model.lora import LoRAConfig, adapter_state_dict, lora_parameters, peft_config, save_adapter
 from tests.rollout.engine_fixtures import LONG, SHORT, prompt_ids
 
 
@@ -34,8 +34,8 @@ def trainer_logprobs(model, rollout, **replay):
 def setup(request):
     """The engine serves the quantized tiny M3 (NVFP4 experts, MXFP8 linears) and the trainer holds the same base
     in the same serving form; or both use the unquantized checkpoint."""
+    from m3.tiny import ensure_tiny_model
     from rollout.engine import EngineConfig, RolloutEngine
-    from rollout.tiny_model import ensure_tiny_model
     from tests.rollout.engine_fixtures import quantized_tiny_model
 
     paths = ensure_tiny_model(dtype="float32")
@@ -225,7 +225,7 @@ def test_bad_replay_is_one_clear_error(setup, rollouts, kind, message):
 
 
 def test_adapter_that_does_not_fit_is_one_clear_error(setup):
-    from rl.lora import load_adapter_tensors
+    from rl.model.lora import load_adapter_tensors
 
     model = setup[1]
     tensors = adapter_state_dict(model)

@@ -36,8 +36,8 @@ def _run(path, device, overrides, ids, cu, replay=None):
     replay the CPU reference's: in bf16 a near-tie in a router or an MSA block score flips between devices, which
     moves a token's logprob by whole nats; replay is how the trainer removes exactly that against the engine)."""
     from quant.kernels import nvfp4_moe
-    from rl.lora import lora_parameters
     from rl.model import ForwardStats, M3ForTraining, TrainerModelConfig
+    from rl.model.lora import lora_parameters
 
     overrides = dict(overrides)
     if overrides.pop("_nvfp4_impl", None) == "dequant":
@@ -75,8 +75,8 @@ def _compare(a, b):
 
 
 def test_gpu_fast_paths_match_reference(tmp_path):
+    from m3.tiny import ensure_tiny_model
     from quant.convert import quantize_checkpoint
-    from rollout.tiny_model import ensure_tiny_model
 
     device = os.environ.get("M3RL_TEST_DEVICE", "cuda")  # "cpu": a dry run of the test logic
     src = ensure_tiny_model(tmp_path / "cache", dtype="bfloat16")

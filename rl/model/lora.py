@@ -44,8 +44,8 @@ class LoRAConfig:
         return self.alpha / self.rank
 
     def validate(self) -> None:
-        if self.rank not in (1, 8, 16, 32, 64, 128, 256, 320, 512):
-            raise ValueError(f"lora.rank={self.rank}: vLLM serves ranks 1, 8, 16, 32, 64, 128, 256, 320, 512")
+        if self.rank < 1:
+            raise ValueError(f"lora.rank={self.rank}: must be >= 1 (the engine serves fewer: rl/config.py checks)")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"lora.dropout={self.dropout}: must be in [0, 1)")
 

@@ -53,9 +53,9 @@ def _worker(rank, port, path, out_dir):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.tensor import DTensor
 
-    from rl.fsdp import BYTE_CONTAINER, full_adapter_state_dict, full_lora_tensors, init_distributed, shard_model
-    from rl.lora import adapter_state_dict, lora_parameters
     from rl.model import M3ForTraining, TrainerModelConfig
+    from rl.model.fsdp import BYTE_CONTAINER, full_adapter_state_dict, full_lora_tensors, init_distributed, shard_model
+    from rl.model.lora import adapter_state_dict, lora_parameters
 
     info = init_distributed(backend="gloo", timeout_s=120)  # gloo on a GPU box too
     assert (info.rank, info.world_size, dist.get_backend()) == (rank, WORLD, "gloo")
@@ -118,7 +118,7 @@ def _worker(rank, port, path, out_dir):
                             "seconds": round(time.perf_counter() - t0, 1)}
         del model
     # Built and sharded layer by layer (base included), LoRA B = 0 as initialized: the same logprobs as a plain model.
-    from rl.fsdp import default_mesh, shard_layer
+    from rl.model.fsdp import default_mesh, shard_layer
 
     plain = M3ForTraining(TrainerModelConfig(path=path, dtype="float32")).token_logprobs(*mine).detach()
     mesh = default_mesh()
@@ -148,7 +148,7 @@ def _run_ranks(*args):
 
 
 def test_fsdp2_two_gloo_ranks_match_one_process(tmp_path):
-    from rollout.tiny_model import ensure_tiny_model
+    from m3.tiny import ensure_tiny_model
 
     path = str(ensure_tiny_model(dtype="float32").vllm)
     _run_ranks(_free_port(), path, str(tmp_path))
@@ -163,7 +163,7 @@ def test_fsdp2_two_gloo_ranks_match_one_process(tmp_path):
 
 
 def test_shard_model_keeps_float8_frozen_tensors_out_of_mixed_precision():
-    from rl.fsdp import frozen_params_to_buffers
+    from rl.model.fsdp import frozen_params_to_buffers
 
     m = torch.nn.Module()
     m.codes = torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.float8_e4m3fn), requires_grad=False)

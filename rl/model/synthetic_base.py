@@ -4,7 +4,7 @@ formats (NVFP4 routed experts with w1/w3 sharing a global scale, MXFP8 projectio
 For trainer runs at real width and depth without a 250 GB file: `BaseWeights(SyntheticCheckpoint(cfg, "cuda"),
 ...)` builds the trainer model directly on the GPU, one tensor at a time (an expert's bf16 draw is quantized at
 once and dropped, so no bf16 copy of the experts ever exists). Shapes, init scales and which tensors are fp32 come
-from `rollout.tiny_model.weight_specs`, the quantization plan from `quant.convert.plan` (what
+from `m3.weights.weight_specs`, the quantization plan from `quant.convert.plan` (what
 scripts/quantize_checkpoint.py writes); every value is a function of (seed, tensor name, device type).
 """
 
@@ -14,9 +14,9 @@ import hashlib
 
 import torch
 
+from m3.weights import weight_specs
 from quant import convert
 from quant.checkpoint import MXFP8Weight, NVFP4Weight, nvfp4_global_scale, quantize_mxfp8, quantize_nvfp4
-from rollout.tiny_model import weight_specs
 
 
 class SyntheticCheckpoint:

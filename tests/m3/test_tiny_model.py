@@ -1,4 +1,4 @@
-"""Tiny MiniMax-M3 checkpoint builder (rollout/tiny_model.py): determinism, the vLLM and transformers
+"""Tiny MiniMax-M3 checkpoint builder (m3/tiny.py, m3/config.py, m3/weights.py): determinism, the vLLM and transformers
 copies holding the same parameters, vLLM's own config class reading config.json, and config
 validation. Other tests can share a build through ``ensure_tiny_model(cache_dir)``."""
 
@@ -16,14 +16,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rollout import tiny_model as tm
+from m3 import config, weights
+from m3 import tiny as builder
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")
-def tiny(tmp_path_factory) -> tm.TinyModelPaths:
-    return tm.ensure_tiny_model(tmp_path_factory.mktemp("tiny_models"))
+def tiny(tmp_path_factory) -> builder.TinyModelPaths:
+    return builder.ensure_tiny_model(tmp_path_factory.mktemp("tiny_models"))
 
 
 @pytest.fixture(scope="session")
@@ -40,25 +41,25 @@ def _files(d: Path) -> dict[str, bytes]:
 
 # ----------------------------------------------------------------------------- determinism
 def test_same_args_give_identical_bytes_and_rerun_is_idempotent(tiny, tmp_path):
-    fresh = tm.make_tiny_model(tmp_path / "m3")
+    fresh = builder.make_tiny_model(tmp_path / "m3")
     assert _files(fresh.vllm) == _files(tiny.vllm) and _files(fresh.hf) == _files(tiny.hf)
-    again = tm.make_tiny_model(tmp_path / "m3")  # overwrite in place
+    again = builder.make_tiny_model(tmp_path / "m3")  # overwrite in place
     assert _files(again.vllm) == _files(tiny.vllm) and _files(again.hf) == _files(tiny.hf)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m3", "m3-hf"]  # no temp dirs left
 
 
 def test_different_seed_changes_every_tensor_but_nothing_else(tiny, tmp_path):
-    other = tm.make_tiny_model(tmp_path / "m3", seed=1)
+    other = builder.make_tiny_model(tmp_path / "m3", seed=1)
     for a, b in ((tiny.vllm, other.vllm), (tiny.hf, other.hf)):
         fa, fb = _files(a), _files(b)
         assert [k for k in fa if fa[k] != fb[k]] == (
-            ["model.safetensors", tm.MANIFEST] if tm.MANIFEST in fa else ["model.safetensors"])
+            ["model.safetensors", builder.MANIFEST] if builder.MANIFEST in fa else ["model.safetensors"])
     w0, w1 = load_file(tiny.vllm / "model.safetensors"), load_file(other.vllm / "model.safetensors")
     assert w0.keys() == w1.keys() and not [k for k in w0 if torch.equal(w0[k], w1[k])]
 
 
 def test_tokenizer_training_is_deterministic_across_processes(tiny):
-    code = ("import hashlib, json; from rollout.tiny_model import build_tokenizer_files; "
+    code = ("import hashlib, json; from m3.tiny import build_tokenizer_files; "
             "print(json.dumps({n: hashlib.sha256(b).hexdigest() for n, b in build_tokenizer_files()}))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          check=True, env={**os.environ, "PYTHONPATH": str(REPO)}).stdout
@@ -201,7 +202,7 @@ def test_vllm_config_class_reads_intended_values(tiny):
         "sparse_attention_freq": [0, 1, 1, 1], "sparse_num_index_heads": 1, "sparse_index_dim": 128,
         "sparse_topk_blocks": 2, "sparse_block_size": 128, "sparse_init_block": 0,
         "sparse_local_block": 1, "sparse_score_type": "max"}
-    tm.validate_config(json.loads((tiny.vllm / "config.json").read_text()))  # full config.json form
+    config.validate_config(json.loads((tiny.vllm / "config.json").read_text()))  # full config.json form
 
 
 # ----------------------------------------------------------------------------- validation
@@ -225,20 +226,20 @@ def test_vllm_config_class_reads_intended_values(tiny):
 ])
 def test_bad_config_raises_naming_the_field_and_writes_nothing(tmp_path, overrides, field):
     with pytest.raises(ValueError) as err:
-        tm.make_tiny_model(tmp_path / "m3", **overrides)
+        builder.make_tiny_model(tmp_path / "m3", **overrides)
     assert str(err.value).startswith(field + ":")
     assert not any(tmp_path.iterdir())
 
 
 def test_unknown_key_and_foreign_directory_are_refused(tmp_path):
     with pytest.raises(ValueError, match="hiden_size"):
-        tm.make_tiny_model(tmp_path / "m3", hiden_size=64)
+        builder.make_tiny_model(tmp_path / "m3", hiden_size=64)
     with pytest.raises(ValueError, match="sparse_topk_block'"):
-        tm.make_tiny_model(tmp_path / "m3", sparse_attention_config={"sparse_topk_block": 4})
+        builder.make_tiny_model(tmp_path / "m3", sparse_attention_config={"sparse_topk_block": 4})
     (tmp_path / "m3").mkdir()
     (tmp_path / "m3" / "notes.txt").write_text("keep me")
     with pytest.raises(FileExistsError):
-        tm.make_tiny_model(tmp_path / "m3")
+        builder.make_tiny_model(tmp_path / "m3")
     assert (tmp_path / "m3" / "notes.txt").read_text() == "keep me"
 
 
@@ -260,30 +261,30 @@ def test_cli_parses_overrides_and_reports_config_errors(tmp_path, capsys):
 
 
 def test_derived_defaults_follow_overrides():
-    t = tm.resolve_text_config(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+    t = config.resolve_text_config(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
                                n_shared_experts=2)
     assert t["sparse_attention_config"]["sparse_num_index_heads"] == 2
     assert t["moe_layer_freq"] == t["sparse_attention_config"]["sparse_attention_freq"] == [0, 1, 1]
     assert t["shared_intermediate_size"] == 256
-    tm.validate_config(t)
+    config.validate_config(t)
 
 
 def test_variant_without_sparse_layers_keeps_all_other_weights():
-    base = tm.init_weights(tm.resolve_text_config())
-    dense = tm.init_weights(tm.resolve_text_config(sparse_attention_freq=[0, 0, 0, 0]))
+    base = weights.init_weights(config.resolve_text_config())
+    dense = weights.init_weights(config.resolve_text_config(sparse_attention_freq=[0, 0, 0, 0]))
     assert set(base) - set(dense) == {k for k in base if ".self_attn.index_" in k} != set()
     assert all(torch.equal(dense[k], base[k]) for k in dense)
 
 
 # ----------------------------------------------------------------------------- cache
 def test_ensure_tiny_model_reuses_verified_builds_and_rebuilds_broken_ones(tmp_path):
-    first = tm.ensure_tiny_model(tmp_path, dtype="float32")
+    first = builder.ensure_tiny_model(tmp_path, dtype="float32")
     stamp = (first.vllm / "model.safetensors").stat().st_mtime_ns
-    assert tm.ensure_tiny_model(tmp_path, dtype="float32") == first
+    assert builder.ensure_tiny_model(tmp_path, dtype="float32") == first
     assert (first.vllm / "model.safetensors").stat().st_mtime_ns == stamp  # reused, not rebuilt
     assert load_file(first.vllm / "model.safetensors")["lm_head.weight"].dtype == torch.float32
     (first.hf / "config.json").write_text("{}")  # a damaged copy is detected through the manifest
-    assert tm.ensure_tiny_model(tmp_path, dtype="float32") == first
+    assert builder.ensure_tiny_model(tmp_path, dtype="float32") == first
     assert json.loads((first.hf / "config.json").read_text())["model_type"] == "minimax_m3_vl_text"
 
 

@@ -1,4 +1,4 @@
-"""rl.msa_triton (the per-token block-sparse MSA kernels) against the reference attention.
+"""rl.model.msa_triton (the per-token block-sparse MSA kernels) against the reference attention.
 
 CPU: the kernels run under Triton's interpreter (TRITON_INTERPRET=1) in a subprocess that puts the interpreter-only
 Triton install (.venv/triton-interpret, made by scripts/install/setup_env.sh) on its path; fp32, exact math, so the
@@ -17,7 +17,7 @@ from tests.triton_interpreter import run_under_interpreter
 
 
 def _case(lengths, hq, hkv, dim, topk, tokens_per_group, chunk_groups=None, seed=0):
-    from rl import msa, msa_triton
+    from rl.model import msa, msa_triton
 
     if chunk_groups is not None:
         msa_triton.CHUNK_GROUPS = chunk_groups
@@ -38,13 +38,13 @@ def _case(lengths, hq, hkv, dim, topk, tokens_per_group, chunk_groups=None, seed
 
 
 def _selection(lengths, heads, dim, topk, init_blocks, local_blocks, seed=1):
-    from rl import msa, msa_triton
+    from rl.model import msa
 
     g = torch.Generator().manual_seed(seed)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     iq, ik = torch.randn(sum(lengths), heads, dim, generator=g), torch.randn(sum(lengths), dim, generator=g)
     ref = msa.select_blocks(iq, ik, cu, topk, init_blocks, local_blocks, impl="reference")
-    got = msa_triton.select_blocks(iq, ik, cu, topk, init_blocks, local_blocks)
+    got = msa.select_blocks(iq, ik, cu, topk, init_blocks, local_blocks, impl="triton")
     return {"agreement": msa.selection_agreement(ref, got), "same_shape": list(ref.shape) == list(got.shape)}
 
 
@@ -77,9 +77,9 @@ def test_kernels_under_the_interpreter_match_reference():
 @pytest.mark.parametrize("dtype", ["bf16"])  # fp32: exact under the CPU interpreter above; on CUDA msa uses flex
 @pytest.mark.parametrize("lengths", [[4096], [1000, 3000, 96], [32768]], ids=["4k", "packed", "32k"])
 def test_triton_matches_reference_gpu(lengths, dtype):
-    """Same bound as FlexAttention's bf16 test (tests/rl/test_msa.py): 2^-6 relative max, 5e-3 relative norm; both
+    """Same bound as FlexAttention's bf16 test (tests/rl/model/test_msa.py): 2^-6 relative max, 5e-3 relative norm; both
     round probabilities to bf16 before P@V."""
-    from rl import msa
+    from rl.model import msa
 
     dt = {"bf16": torch.bfloat16}[dtype]
     g = torch.Generator().manual_seed(5)
@@ -104,7 +104,7 @@ def test_triton_matches_reference_gpu(lengths, dtype):
 @pytest.mark.gpu
 def test_triton_selection_agrees_gpu():
     """The index-score kernel sums in another order than the reference: only near-tied blocks may swap."""
-    from rl import msa
+    from rl.model import msa
 
     g = torch.Generator().manual_seed(9)
     lengths = [32768, 5000, 300]

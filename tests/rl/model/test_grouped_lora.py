@@ -1,4 +1,4 @@
-"""Grouped expert LoRA (rl.lora.grouped_lora_delta over quant.kernels.grouped) against the per-expert loop the CPU
+"""Grouped expert LoRA (rl.model.lora.grouped_lora_delta over quant.kernels.grouped) against the per-expert loop the CPU
 path runs (ExpertLoRA.gate_up / .down on each expert's rows): forward, input gradient and both LoRA gradients, with
 empty experts. fp32: the same products summed in another order, so fp32 rounding only. bf16 with bf16-valued
 masters: the same operands and rounding points as lora_delta, so within a few bf16 ulps. torch._grouped_mm (the
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from quant.kernels.grouped import grouped_mm, grouped_mm_t
-from rl.lora import ExpertLoRA, LoRAConfig, grouped_lora_delta
+from rl.model.lora import ExpertLoRA, LoRAConfig, grouped_lora_delta
 
 COUNTS = [5, 0, 17, 1, 0, 9]  # rows per expert, two empty
 

@@ -8,8 +8,8 @@ What FSDP2 (`fully_shard`, torch 2.13) does with each kind of tensor of `M3ForTr
   ones, just without gradients), and cast to `param_dtype` if it differs from their dtype. `shard_model` refuses
   a policy that would change them: the forward must stay the served model's.
 - Buffers: never sharded, never cast, only moved to the mesh device. The quantized base (NVFP4 packed uint8 +
-  E4M3 scales, MXFP8 E4M3 + E8M0, fp32 global scales, the fp32 router) is all buffers (rl/quantized_base.py), so by
-  default it is replicated on every rank exactly as stored (fine for models that fit one GPU).
+  E4M3 scales, MXFP8 E4M3 + E8M0, fp32 global scales, the fp32 router) is all buffers (rl/model/quantized_base.py),
+  so by default it is replicated on every rank exactly as stored (fine for models that fit one GPU).
 - `shard_base=True` (full-size M3: ~250 GB of NVFP4 experts) turns the base's weight tensors into frozen
   parameters, which FSDP2 shards on dim 0 (experts / output rows) and all-gathers per layer as raw bytes, so each
   rank holds 1/world of the base plus one or two gathered layers. Why not expert parallelism: at RL batch sizes
@@ -33,9 +33,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rl.lora import ExpertLoRA, LoRALinear, adapter_state_dict
+from m3.config import DTYPES
+from quant.serving import MXFP8Linear
+from rl.model.lora import ExpertLoRA, LoRALinear, adapter_state_dict
+from rl.model.quantized_base import DenseLinear, ExpertWeights
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _COMPUTE_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -124,9 +126,6 @@ def base_to_params(module: nn.Module) -> list[str]:
     weights and E8M0 scales, the bf16 base's weights) as frozen parameters, so `fully_shard` shards them on dim 0
     and all-gathers them per layer (as raw bytes: FSDP2 gathers a group of mixed dtypes as uint8) instead of
     replicating them. Only without a mixed-precision policy, which would cast float8 tensors. Returns the names."""
-    from quant.serving import MXFP8Linear
-    from rl.quantized_base import DenseLinear, ExpertWeights
-
     moved = []
     for mod_name, mod in module.named_modules():
         if not isinstance(mod, (ExpertWeights, MXFP8Linear, DenseLinear)):
@@ -194,7 +193,7 @@ def shard_model(model: nn.Module, mesh=None, mixed_precision: str | None = None,
 
 def full_lora_tensors(model: nn.Module, grads: bool = False, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """Full (unsharded) LoRA parameters, or their gradients, on CPU keyed by module FQN. A collective: every rank
-    must call it. Gradients that do not exist (e.g. the indexer's, see rl/lora.py) are left out.
+    must call it. Gradients that do not exist (e.g. the indexer's, see rl/model/lora.py) are left out.
 
     Not `get_model_state_dict(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)`: it returns the
     same LoRA tensors, but also every buffer, i.e. it would copy the whole quantized base to rank 0's host memory on
@@ -221,7 +220,7 @@ def full_lora_tensors(model: nn.Module, grads: bool = False, rank0_only: bool = 
 
 def full_adapter_state_dict(model: nn.Module, dtype: torch.dtype | None = None,
                             rank0_only: bool = True) -> dict[str, torch.Tensor]:
-    """Every LoRA tensor under its peft name (`rl.lora.adapter_state_dict` naming and layout), gathered to CPU on
+    """Every LoRA tensor under its peft name (`rl.model.lora.adapter_state_dict` naming and layout), gathered to CPU on
     rank 0 (`rank0_only`; other ranks get {}) or on every rank. Works on sharded and plain models."""
     full = full_lora_tensors(model, rank0_only=rank0_only)
     if not full:

