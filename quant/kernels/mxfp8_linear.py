@@ -30,9 +30,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from quant import serving
+from quant import mxfp8, serving
 from quant._common import check_dtype
-from quant.kernels.nvfp4_moe import triton_available
+from quant.kernels._triton import triton_available
 
 __all__ = ["AUTO_FUSED_MAX_ROWS", "mxfp8_dequantize", "mxfp8_linear", "mxfp8_linear_reference"]
 
@@ -193,8 +193,6 @@ def mxfp8_dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     ``quant.mxfp8.dequantize`` (same values)."""
     _check(weight, scale)
     if not (weight.is_cuda and triton_available()):
-        from quant import mxfp8
-
         return mxfp8.dequantize(weight, scale.view(torch.uint8), torch.bfloat16)
     triton, dequant_kernel, _, _ = _kernels()
     q = weight.contiguous().view(torch.uint8)

@@ -57,26 +57,14 @@ import torch
 
 from quant import serving
 from quant._common import check_dtype
+from quant.kernels._triton import triton_available
 
 __all__ = [
     "expert_offsets",
     "nvfp4_moe_linear",
     "nvfp4_moe_linear_reference",
     "sort_by_expert",
-    "triton_available",
 ]
-
-
-@functools.lru_cache(maxsize=None)
-def triton_available() -> bool:
-    """True when Triton imports and CUDA is available (the kernels' precondition)."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 # ---------------------------------------------------------------------------------------------
