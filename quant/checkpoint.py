@@ -85,7 +85,7 @@ class NVFP4Weight:
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """RNE_dtype(e2m1 * (s * gs)), vLLM's ``dequantize_to_dtype`` order. (The Hopper kernels
-        instead apply gs to the fp32 accumulator: ``quant.serving.nvfp4_linear``.)"""
+        instead apply gs to the fp32 accumulator: ``quant.forms.nvfp4_linear``.)"""
         return nvfp4.dequantize(self.packed, self.scale, self.global_scale, dtype)
 
 

@@ -1,4 +1,4 @@
-"""Triton kernels for the H200 (sm90) serving forms of ``quant.serving`` ("hopper" profile).
+"""Triton kernels for the H200 (sm90) serving forms of ``quant.forms`` ("hopper" profile).
 
 - ``nvfp4_moe``: grouped GEMM over routed experts with packed NVFP4 weights, tokens sorted by expert,
   e2m1 * s decoded in registers, fp32 accumulation, the per-expert global scale on the accumulator
@@ -11,7 +11,7 @@
   kernels or a one-pass dequantize into a bf16 buffer followed by cuBLAS.
 
 Importing this package imports only torch. Triton is imported lazily, the first time a kernel runs
-on a CUDA tensor; every entry point falls back to the pure-torch ``quant.serving`` form on CPU (or
+on a CUDA tensor; every entry point falls back to the pure-torch ``quant.forms`` form on CPU (or
 when Triton is missing), so CPU code paths never need Triton.
 """
 

@@ -1,4 +1,4 @@
-"""MXFP8 linears on Hopper (W8A16, ``quant.serving.mxfp8_linear(..., "hopper")``): forward and input
+"""MXFP8 linears on Hopper (W8A16, ``quant.forms.mxfp8_linear(..., "hopper")``): forward and input
 gradient against the exactly dequantized weight W = e4m3 * 2^(byte - 127), bf16 GEMMs with fp32
 accumulation.
 
@@ -18,7 +18,7 @@ dequant+cuBLAS 0.63-0.64x at 512 tokens (the 0.04 ms dequantize dominates), 0.82
 0.35-0.45x input gradient (about 195 and 335 TFLOP/s). ``impl=None`` therefore uses "dequant"
 (``AUTO_FUSED_MAX_ROWS = 0``). At the trainer's calls (every token of the batch, 64K-131K rows, the
 q/k/v/o, indexer and shared-expert shapes of M3) dequant+cuBLAS is 0.98-1.03x bf16 (results/gpu/run11/
-bench_mxfp8.json). On CPU (or without Triton) every call runs the ``quant.serving`` reference.
+bench_mxfp8.json). On CPU (or without Triton) every call runs the ``quant.forms`` reference.
 
 Scale bytes 0 and 255 follow ``quant.mxfp8.dequantize`` (2^-127, NaN); products that fall in the
 fp32 subnormal range (scale bytes below ~10) may be flushed to zero by the GPU kernels, which no
@@ -30,7 +30,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from quant import mxfp8, serving
+from quant import forms, mxfp8
 from quant._common import check_dtype
 from quant.kernels._triton import triton_available
 
@@ -268,8 +268,8 @@ class _MXFP8Linear(torch.autograd.Function):
 
 
 def mxfp8_linear_reference(x, weight, scale, bias=None):
-    """``quant.serving.mxfp8_linear(x, weight, scale, "hopper", bias=bias)``."""
-    return serving.mxfp8_linear(x, weight, scale.view(torch.uint8), "hopper", bias=bias)
+    """``quant.forms.mxfp8_linear(x, weight, scale, "hopper", bias=bias)``."""
+    return forms.mxfp8_linear(x, weight, scale.view(torch.uint8), "hopper", bias=bias)
 
 
 def mxfp8_linear(

@@ -1,6 +1,6 @@
 """NVFP4 routed experts on Hopper: a Triton grouped GEMM in the serving form, and its input gradient.
 
-Serving form (``quant.serving.nvfp4_linear(..., "hopper")``, what Humming/Marlin run on H200), per
+Serving form (``quant.forms.nvfp4_linear(..., "hopper")``, what Humming/Marlin run on H200), per
 expert e and its rows of the expert-sorted input x:
 
     y = bf16(fp32acc(x_bf16 @ (e2m1 * s)^T) * gs[e])          forward
@@ -48,16 +48,17 @@ Run 11 (results/gpu/run11/bench_expert.json) re-measured these: 1.97 / 3.36 / 6.
 
 Triton is imported only when a kernel is first launched on a CUDA tensor; on CPU, or without
 Triton, ``nvfp4_moe_linear`` runs ``nvfp4_moe_linear_reference`` (a loop over experts through
-``quant.serving``).
+``quant.forms``).
 """
 
 import functools
 
 import torch
 
-from quant import serving
+from quant import forms
 from quant._common import check_dtype
 from quant.kernels._triton import triton_available
+from quant.kernels.nvfp4_dequant import dequant_dgrad, dequant_fwd
 
 __all__ = [
     "expert_offsets",
@@ -92,7 +93,7 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, t
 
 
 # ---------------------------------------------------------------------------------------------
-# Reference (CPU, or no Triton): loop over experts through quant.serving
+# Reference (CPU, or no Triton): loop over experts through quant.forms
 
 
 def _check(x, packed, scale, global_scale, offsets):
@@ -122,9 +123,9 @@ def nvfp4_moe_linear_reference(
     global_scale: torch.Tensor,
     offsets: torch.Tensor,
 ) -> torch.Tensor:
-    """``serving.nvfp4_linear(x[rows_e], packed[e], scale[e], gs[e], "hopper")`` for each expert.
+    """``forms.nvfp4_linear(x[rows_e], packed[e], scale[e], gs[e], "hopper")`` for each expert.
 
-    Differentiable in x (through ``quant.serving``). Reads the offsets on the host.
+    Differentiable in x (through ``quant.forms``). Reads the offsets on the host.
     """
     _check(x, packed, scale, global_scale, offsets)
     bounds = offsets.tolist()
@@ -136,7 +137,7 @@ def nvfp4_moe_linear_reference(
     for e in range(packed.shape[0]):
         lo, hi = bounds[e], bounds[e + 1]
         if hi > lo:
-            parts.append(serving.nvfp4_linear(x[lo:hi], packed[e], scale[e], gs[e], "hopper"))
+            parts.append(forms.nvfp4_linear(x[lo:hi], packed[e], scale[e], gs[e], "hopper"))
     if not parts:
         return x.new_zeros(x.shape[0], n)
     return torch.cat(parts, 0)
@@ -475,8 +476,6 @@ class _NVFP4MoELinear(torch.autograd.Function):
         ctx.save_for_backward(packed, scale, gs, offsets)
         ctx.decoder, ctx.impl, ctx.host = decoder, impl, None
         if _pick(impl, x.shape[0], packed.shape[0], "fwd") == "dequant":
-            from quant.kernels.nvfp4_dequant import dequant_fwd
-
             ctx.host = _host(gs, offsets)
             return dequant_fwd(x, packed, scale, *ctx.host)
         return _launch_fwd(x, packed, scale, gs, offsets, config=config, decoder=decoder)
@@ -488,8 +487,6 @@ class _NVFP4MoELinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             g = grad.to(torch.bfloat16)
             if _pick(ctx.impl, g.shape[0], packed.shape[0], "dgrad") == "dequant":
-                from quant.kernels.nvfp4_dequant import dequant_dgrad
-
                 gx = dequant_dgrad(g, packed, scale, *(ctx.host or _host(gs, offsets)))
             else:
                 gx = _launch_dgrad(g, packed, scale, gs, offsets, decoder=ctx.decoder)
@@ -511,7 +508,7 @@ def nvfp4_moe_linear(
 
     ``x`` holds the routed rows sorted by expert, expert e's rows at ``offsets[e]:offsets[e+1]``;
     ``packed`` [E, N, K/2] uint8, ``scale`` [E, N, K/16] e4m3, ``global_scale`` [E] fp32 decode
-    scales (w13: the gate's, ``serving.fused_w13_global_scale``), ``offsets`` [E+1] int32.
+    scales (w13: the gate's, ``quant.forms.fused_w13_global_scale``), ``offsets`` [E+1] int32.
     Differentiable in x (frozen weights). On CUDA with Triton: the fused Triton kernels (bf16 x) or,
     from ``DEQUANT_MIN_ROWS`` rows per expert on, a bf16 decode + cuBLAS per direction (``impl``
     "kernel" / "dequant" forces one; the decode path reads the offsets on the host);

@@ -1,4 +1,4 @@
-"""Triton kernels (quant.kernels) vs the quant.serving reference forms, on a CUDA GPU.
+"""Triton kernels (quant.kernels) vs the quant.forms reference forms, on a CUDA GPU.
 
 Self-contained (no vLLM, no quant_oracles). Run through the device tool:
     python -m pytest tests/quant/test_kernels_gpu.py -m gpu -q -p no:cacheprovider
@@ -19,7 +19,7 @@ Also asserted: ||y - y_ref|| / ||y_ref|| <= 2^-8 and >= 90% of outputs bit-ident
 import pytest
 import torch
 
-from quant import mxfp8, serving
+from quant import forms, mxfp8
 from quant.kernels import nvfp4_moe as moe
 from quant.kernels.mxfp8_linear import _fused_dgrad, _fused_fwd, mxfp8_dequantize, mxfp8_linear
 
@@ -111,8 +111,8 @@ def _ref_dgrad(dy, packed, scale, gs, offsets):
     for e in range(packed.shape[0]):
         lo, hi = bounds[e], bounds[e + 1]
         if hi > lo:
-            w = serving.nvfp4_weight(packed[e], scale[e], BF16)
-            out[lo:hi] = (serving._mm_fp32(dy[lo:hi], w.t()) * gs[e]).to(BF16)
+            w = forms.nvfp4_weight(packed[e], scale[e], BF16)
+            out[lo:hi] = (forms._mm_fp32(dy[lo:hi], w.t()) * gs[e]).to(BF16)
     return out
 
 
@@ -226,7 +226,7 @@ def test_sort_by_expert():
 
 
 def test_nvfp4_moe_autograd():
-    """nvfp4_moe_linear forward + backward vs the reference autograd through quant.serving."""
+    """nvfp4_moe_linear forward + backward vs the reference autograd through quant.forms."""
     gen = torch.Generator(device=DEV).manual_seed(11)
     e, n, k = 8, 384, 256
     packed, scale, gs = _nvfp4_stack(e, n, k, gen)
@@ -297,7 +297,7 @@ def test_mxfp8_linear(m, n, k, bias, impl):
     q, s = _mxfp8_weight(n, k, gen)
     b = torch.randn(n, device=DEV, dtype=BF16, generator=gen) if bias else None
     x = torch.randn(m, k, device=DEV, dtype=BF16, generator=gen)
-    ref = serving.mxfp8_linear(x, q, s, "hopper", bias=b)
+    ref = forms.mxfp8_linear(x, q, s, "hopper", bias=b)
     w = mxfp8.dequantize(q, s, BF16)
     absref = (x.abs().float() @ w.abs().float().t())
     if b is not None:
@@ -336,7 +336,7 @@ def test_nvfp4_dequantize_bit_exact_cuda():
     scale.view(-1)[:256] = torch.arange(256, dtype=torch.uint8, device=DEV)
     out = torch.full((3, 64, 1024), float("nan"), dtype=BF16, device=DEV)
     got = nvfp4_dequantize(packed, scale, out)
-    ref = serving.nvfp4_weight(packed, scale.view(torch.float8_e4m3fn), BF16)
+    ref = forms.nvfp4_weight(packed, scale.view(torch.float8_e4m3fn), BF16)
     nan = torch.isnan(ref)
     assert torch.equal(torch.isnan(got), nan)
     assert torch.equal(got.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])
