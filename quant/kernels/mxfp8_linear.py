@@ -44,6 +44,7 @@ AUTO_FUSED_MAX_ROWS = 0
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
+    # Triton is optional (CPU installs lack it): imported on the first launch on a CUDA tensor
     import triton
     import triton.language as tl
 

@@ -33,6 +33,7 @@ CHUNK_EXPERTS = 8  # 8 x 6144 x 6144 bf16 = 0.6 GB per buffer at M3's gate_up
 
 @functools.lru_cache(maxsize=None)
 def _kernel():
+    # Triton is optional (CPU installs lack it): imported on the first launch on a CUDA tensor
     import triton
     import triton.language as tl
 

@@ -21,6 +21,7 @@ import torch
 
 from quant import forms, mxfp8
 from quant.kernels import nvfp4_moe as moe
+from quant.kernels import nvfp4_moe_gemm as gemm
 from quant.kernels.mxfp8_linear import _fused_dgrad, _fused_fwd, mxfp8_dequantize, mxfp8_linear
 
 pytestmark = pytest.mark.gpu
@@ -122,14 +123,14 @@ def _check_moe(x, packed, scale, gs, offsets, decoder, what):
     ref = _ref_fwd(x, packed, scale, gs, offsets)
     absref = _ref_fwd(x.abs(), *_abs_stack(packed, scale), gs, offsets)
     out = torch.full((x.shape[0], n), float("nan"), dtype=BF16, device=DEV)
-    y = moe._launch_fwd(x, packed, scale, gs, offsets, out=out, decoder=decoder)
+    y = gemm.launch_fwd(x, packed, scale, gs, offsets, out=out, decoder=decoder)
     torch.cuda.synchronize()
     fwd = _assert_bound(y, ref, absref, k, f"{what} fwd")
     dy = torch.randn(x.shape[0], n, device=DEV, dtype=BF16)
     ref_dx = _ref_dgrad(dy, packed, scale, gs, offsets)
     abs_dx = _ref_dgrad(dy.abs(), *_abs_stack(packed, scale), gs, offsets)
     out = torch.full(x.shape, float("nan"), dtype=BF16, device=DEV)
-    dx = moe._launch_dgrad(dy, packed, scale, gs, offsets, out=out, decoder=decoder)
+    dx = gemm.launch_dgrad(dy, packed, scale, gs, offsets, out=out, decoder=decoder)
     torch.cuda.synchronize()
     bwd = _assert_bound(dx, ref_dx, abs_dx, n, f"{what} dgrad")
     return fwd, bwd
@@ -159,7 +160,7 @@ def test_nvfp4_moe_small(e, n, k, counts, decoder):
 
 
 CONFIG_VARIANTS = {  # tile configs beside the defaults (scripts/bench_expert_gemm.py --variants times them)
-    "fwd_BM256": ("fwd", moe.LARGE_M_CONFIG_BM256),  # the default at many tokens since run 7
+    "fwd_BM256": ("fwd", gemm.LARGE_M_CONFIG_BM256),  # the default at many tokens since run 7
     "fwd_BM32": ("fwd", dict(BM=32, BN=128, BK=128, num_warps=4, num_stages=4)),  # ~16 rows per expert
     "dgrad_BM256_BN64": ("dgrad", dict(BM=256, BK=128, BN=64, num_warps=8, num_stages=3, SWAP=False)),
     "dgrad_BM256_BN128_st2": ("dgrad", dict(BM=256, BK=128, BN=128, num_warps=8, num_stages=2, SWAP=False)),
@@ -175,7 +176,7 @@ def test_nvfp4_moe_config_variants(name):
     packed, scale, gs = _nvfp4_stack(e, n, k, gen)
     offsets = _offsets_from_counts([300, 17, 0, 600])
     fwd = direction == "fwd"
-    reference, launch = (_ref_fwd, moe._launch_fwd) if fwd else (_ref_dgrad, moe._launch_dgrad)
+    reference, launch = (_ref_fwd, gemm.launch_fwd) if fwd else (_ref_dgrad, gemm.launch_dgrad)
     inp = torch.randn(917, k if fwd else n, device=DEV, dtype=BF16, generator=gen)
     ref = reference(inp, packed, scale, gs, offsets)
     absref = reference(inp.abs(), *_abs_stack(packed, scale), gs, offsets)
@@ -195,7 +196,7 @@ def test_nvfp4_moe_skewed_and_empty():
     offsets = _offsets_from_counts(counts)
     x = torch.randn(sum(counts), k, device=DEV, dtype=BF16, generator=gen)
     _check_moe(x, packed, scale, gs, offsets, None, "skewed")
-    empty = moe._launch_fwd(x[:0], packed, scale, gs, _offsets_from_counts([0] * e))
+    empty = gemm.launch_fwd(x[:0], packed, scale, gs, _offsets_from_counts([0] * e))
     assert empty.shape == (0, n)
 
 
@@ -208,7 +209,7 @@ def test_nvfp4_moe_nan_scale_propagates():
     sb[1, 5, 3] = 0x7F
     offsets = _offsets_from_counts([3, 4])
     x = torch.randn(7, k, device=DEV, dtype=BF16, generator=gen)
-    y = moe._launch_fwd(x, packed, sb.view(torch.float8_e4m3fn), gs, offsets)
+    y = gemm.launch_fwd(x, packed, sb.view(torch.float8_e4m3fn), gs, offsets)
     ref = _ref_fwd(x, packed, sb.view(torch.float8_e4m3fn), gs, offsets)
     assert torch.equal(torch.isnan(y), torch.isnan(ref))
     assert torch.isnan(y[3:, 5]).all() and not torch.isnan(y[:3]).any()
