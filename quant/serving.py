@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from quant import forms
 from quant.forms import (
     PROFILES,
     Profile,
@@ -26,20 +27,7 @@ from quant.forms import (
 )
 from quant.kernels.mxfp8_linear import mxfp8_linear as _hopper_mxfp8_linear
 
-__all__ = [
-    "MXFP8Linear",
-    "NVFP4Linear",
-    "PROFILES",
-    "check_profile",
-    "fused_w13_global_scale",
-    "marlin_flush_scales",
-    "marlin_scale_factor",
-    "mxfp8_act_qdq",
-    "mxfp8_linear",
-    "nvfp4_act_qdq",
-    "nvfp4_linear",
-    "nvfp4_weight",
-]
+__all__ = ["MXFP8Linear", "NVFP4Linear", *forms.__all__]
 
 # ---------------------------------------------------------------------------------------------
 # Modules holding frozen checkpoint tensors
