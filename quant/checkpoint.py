@@ -85,7 +85,7 @@ class NVFP4Weight:
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """RNE_dtype(e2m1 * (s * gs)), vLLM's ``dequantize_to_dtype`` order. (The Hopper kernels
-        instead apply gs to the fp32 accumulator: ``quant.serving.nvfp4_linear``.)"""
+        instead apply gs to the fp32 accumulator: ``quant.forms.nvfp4_linear``.)"""
         return nvfp4.dequantize(self.packed, self.scale, self.global_scale, dtype)
 
 
@@ -235,10 +235,6 @@ class _Info:
     shape: tuple[int, ...]
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
-
-
 class QuantizedCheckpoint:
     """A checkpoint directory opened lazily: headers now, tensors on ``read`` / ``tensor``."""
 
@@ -339,7 +335,7 @@ class QuantizedCheckpoint:
                                           "activation scale; weight-only checkpoints declare W4A16_NVFP4)")
                 continue
             g = self._need(name, ("F32",), f"{algo} global scale, fp32")
-            if _numel(g.shape) != 1 and g.shape != lead:
+            if math.prod(g.shape) != 1 and g.shape != lead:
                 raise CheckpointError(f"{name}: shape {g.shape}; expected one value per weight")
         self._no_extra(prefix, {"weight_scale", "weight_scale_2", "input_scale"}, algo)
 
@@ -350,8 +346,9 @@ class QuantizedCheckpoint:
                                   f"of its block {mxfp8.BLOCK}")
         names = [f"{prefix}.{s}" for s in ("weight_scale", "weight_scale_inv") if f"{prefix}.{s}" in self._info]
         if len(names) != 1:
-            raise CheckpointError(f"{prefix}.weight_scale: " + ("missing (MXFP8 needs weight_scale or "
-                                  "weight_scale_inv)" if not names else "both weight_scale and weight_scale_inv; MXFP8 has one scale"))
+            why = ("missing (MXFP8 needs weight_scale or weight_scale_inv)" if not names
+                   else "both weight_scale and weight_scale_inv; MXFP8 has one scale")
+            raise CheckpointError(f"{prefix}.weight_scale: {why}")
         s = self._need(names[0], ("U8", "F8_E8M0"), "MXFP8 block scale, E8M0")
         if s.shape != (*w.shape[:-1], w.shape[-1] // mxfp8.BLOCK):
             raise CheckpointError(f"{names[0]}: shape {s.shape}; expected "

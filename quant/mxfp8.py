@@ -82,7 +82,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
 
 def qdq(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """MXFP8 quantize-dequantize (the W8A8 activation path on Blackwell), in ``dtype`` or x.dtype.
-    Differentiable only through ``quant.serving`` (STE)."""
+    Differentiable only through ``quant.forms`` (STE)."""
     q, s = quantize(x)
     return dequantize(q, s, dtype or x.dtype)
 

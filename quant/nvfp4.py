@@ -193,7 +193,7 @@ def dequantize(
 
     Computes RNE_dtype(e2m1 * (fp32(s) * gs_dec)), the order of vLLM ``dequantize_to_dtype``
     (swizzle=False) and its Triton kernel. Note this is *not* how Marlin/Humming serve the weight
-    on Hopper (they apply gs to the fp32 accumulator, see ``quant.serving``); with gs_dec = 1 the
+    on Hopper (they apply gs to the fp32 accumulator, see ``quant.forms``); with gs_dec = 1 the
     result e2m1 * s is exact in bf16.
     """
     _check_packed_pair(packed, scale)
@@ -208,7 +208,7 @@ def qdq_activation(x: torch.Tensor, global_scale_enc: GlobalScale) -> torch.Tens
     """NVFP4 quantize-dequantize of an activation with a static encode global scale, in x.dtype.
 
     Bit-exact with the CPU path of vLLM ``ref_nvfp4_quant_dequant`` (used by the emulation MoE):
-    RNE_dtype(e2m1 * fp32(s / gs_enc)). Differentiable only through ``quant.serving`` (STE).
+    RNE_dtype(e2m1 * fp32(s / gs_enc)). Differentiable only through ``quant.forms`` (STE).
     """
     check_last_dim(x, "x", BLOCK)
     gs_enc = _global_scale(global_scale_enc, x.shape[:-1], x.device, "global_scale_enc")

@@ -1,4 +1,4 @@
-"""Benchmark the NVFP4 routed-expert grouped GEMM (quant.kernels.nvfp4_moe) at real M3 shapes.
+"""Benchmark the NVFP4 routed-expert grouped GEMM (quant.kernels.nvfp4_moe, nvfp4_moe_gemm) at real M3 shapes.
 
 128 experts, hidden 6144, expert intermediate 3072: gate_up (w13) 6144 -> 6144 and down (w2)
 3072 -> 6144, top-4 uniform routing, tokens in {64, 512, 4096, 32768}. Forward and input gradient,
@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from quant.kernels import nvfp4_dequant as nd  # noqa: E402
 from quant.kernels import nvfp4_moe as moe  # noqa: E402
+from quant.kernels import nvfp4_moe_gemm as gemm  # noqa: E402
 
 E, HIDDEN, INTER, TOPK = 128, 6144, 3072, 4
 COPY_TBPS = 4.30
@@ -128,7 +129,7 @@ def main():
         "copy_TBps_measured": args.measure_copy,
         "experts": E, "hidden": HIDDEN, "intermediate": INTER, "top_k": TOPK,
         "routing": "uniform: top-4 of iid uniform scores per token",
-        "decoder_default": moe.DEFAULT_DECODER,
+        "decoder_default": gemm.DEFAULT_DECODER,
         "rows": [],
     }
     weights = {}
@@ -206,10 +207,12 @@ def main():
                         fn = (lambda ov=ov: nd.dequant_dgrad(dy, packed, scale, gsh, bounds, overlap=ov))
                         act = m * n * 2 + m * k * 2
                 elif direction == "fwd":
-                    fn = (lambda cfg=cfg, dec=dec: moe._launch_fwd(x, packed, scale, gs, offsets, config=cfg, decoder=dec))
+                    fn = (lambda cfg=cfg, dec=dec: gemm.launch_fwd(x, packed, scale, gs, offsets, config=cfg,
+                                                                   decoder=dec))
                     act = m * k * 2 + m * n * 2
                 else:
-                    fn = (lambda cfg=cfg, dec=dec: moe._launch_dgrad(dy, packed, scale, gs, offsets, config=cfg, decoder=dec))
+                    fn = (lambda cfg=cfg, dec=dec: gemm.launch_dgrad(dy, packed, scale, gs, offsets, config=cfg,
+                                                                     decoder=dec))
                     act = m * n * 2 + m * k * 2
                 try:
                     fn()
@@ -224,7 +227,7 @@ def main():
                     total[direction] += ms
                 if dec in ("dequant", "dequant_serial"):
                     total[f"{direction}_{dec}"] += ms
-                cfg_used = dict(moe.fwd_config(m, E) if direction == "fwd" else moe.dgrad_config(m, E), **(cfg or {}))
+                cfg_used = dict(gemm.fwd_config(m, E) if direction == "fwd" else gemm.dgrad_config(m, E), **(cfg or {}))
                 res["rows"].append(dict(
                     tokens=t, routed_rows=m, gemm=name, direction=direction, impl=label, config=cfg_used,
                     active_experts=active, median_ms=round(ms, 4), tflops=round(fl / ms / 1e9, 1),

@@ -11,6 +11,7 @@ once to the operands' dtype (the offsets are read on the host). ``impl`` forces 
 """
 
 import functools
+import warnings
 
 import torch
 
@@ -26,8 +27,6 @@ def _cuda_sm90(index: int) -> bool:
 def _probe(index: int) -> bool:
     """Both call forms of torch._grouped_mm agree with the loop on this GPU (uneven and empty groups included);
     a torch whose kernel refuses or miscomputes them makes the callers take the loop instead of failing."""
-    import warnings
-
     dev = torch.device("cuda", index)
     g = torch.Generator(device=dev).manual_seed(0)
     offsets = torch.tensor([0, 3, 3, 40, 41, 72], dtype=torch.int32, device=dev)

@@ -1,4 +1,4 @@
-"""MXFP8 linears on Hopper (W8A16, ``quant.serving.mxfp8_linear(..., "hopper")``): forward and input
+"""MXFP8 linears on Hopper (W8A16, ``quant.forms.mxfp8_linear(..., "hopper")``): forward and input
 gradient against the exactly dequantized weight W = e4m3 * 2^(byte - 127), bf16 GEMMs with fp32
 accumulation.
 
@@ -18,7 +18,7 @@ dequant+cuBLAS 0.63-0.64x at 512 tokens (the 0.04 ms dequantize dominates), 0.82
 0.35-0.45x input gradient (about 195 and 335 TFLOP/s). ``impl=None`` therefore uses "dequant"
 (``AUTO_FUSED_MAX_ROWS = 0``). At the trainer's calls (every token of the batch, 64K-131K rows, the
 q/k/v/o, indexer and shared-expert shapes of M3) dequant+cuBLAS is 0.98-1.03x bf16 (results/gpu/run11/
-bench_mxfp8.json). On CPU (or without Triton) every call runs the ``quant.serving`` reference.
+bench_mxfp8.json). On CPU (or without Triton) every call runs the ``quant.forms`` reference.
 
 Scale bytes 0 and 255 follow ``quant.mxfp8.dequantize`` (2^-127, NaN); products that fall in the
 fp32 subnormal range (scale bytes below ~10) may be flushed to zero by the GPU kernels, which no
@@ -30,9 +30,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from quant import serving
+from quant import forms, mxfp8
 from quant._common import check_dtype
-from quant.kernels.nvfp4_moe import triton_available
+from quant.kernels._triton import triton_available
 
 __all__ = ["AUTO_FUSED_MAX_ROWS", "mxfp8_dequantize", "mxfp8_linear", "mxfp8_linear_reference"]
 
@@ -44,6 +44,7 @@ AUTO_FUSED_MAX_ROWS = 0
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
+    # Triton is optional (CPU installs lack it): imported on the first launch on a CUDA tensor
     import triton
     import triton.language as tl
 
@@ -193,8 +194,6 @@ def mxfp8_dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     ``quant.mxfp8.dequantize`` (same values)."""
     _check(weight, scale)
     if not (weight.is_cuda and triton_available()):
-        from quant import mxfp8
-
         return mxfp8.dequantize(weight, scale.view(torch.uint8), torch.bfloat16)
     triton, dequant_kernel, _, _ = _kernels()
     q = weight.contiguous().view(torch.uint8)
@@ -270,8 +269,8 @@ class _MXFP8Linear(torch.autograd.Function):
 
 
 def mxfp8_linear_reference(x, weight, scale, bias=None):
-    """``quant.serving.mxfp8_linear(x, weight, scale, "hopper", bias=bias)``."""
-    return serving.mxfp8_linear(x, weight, scale.view(torch.uint8), "hopper", bias=bias)
+    """``quant.forms.mxfp8_linear(x, weight, scale, "hopper", bias=bias)``."""
+    return forms.mxfp8_linear(x, weight, scale.view(torch.uint8), "hopper", bias=bias)
 
 
 def mxfp8_linear(

@@ -1,5 +1,5 @@
 """NVFP4 routed experts at many tokens per expert: dequantize to bf16, then cuBLAS, in the same serving form as
-``quant.kernels.nvfp4_moe`` (``quant.serving.nvfp4_linear(..., "hopper")``):
+``quant.kernels.nvfp4_moe`` (``quant.forms.nvfp4_linear(..., "hopper")``):
 
     y_e  = bf16(fp32acc(x_e @ (e2m1 * s)_e^T) * gs[e])        dx_e = bf16(fp32acc(dy_e @ (e2m1 * s)_e) * gs[e])
 
@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from quant import serving
+from quant import forms
 
 __all__ = ["CHUNK_EXPERTS", "nvfp4_dequantize", "dequant_fwd", "dequant_dgrad"]
 
@@ -33,6 +33,7 @@ CHUNK_EXPERTS = 8  # 8 x 6144 x 6144 bf16 = 0.6 GB per buffer at M3's gate_up
 
 @functools.lru_cache(maxsize=None)
 def _kernel():
+    # Triton is optional (CPU installs lack it): imported on the first launch on a CUDA tensor
     import triton
     import triton.language as tl
 
@@ -72,10 +73,10 @@ def _kernel():
 
 def nvfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """e2m1 * s of packed [..., N, K/2] uint8 and scale [..., N, K/16] e4m3 (or its bytes) as bf16 [..., N, K],
-    bit-identical to ``quant.serving.nvfp4_weight`` (no global scale). One Triton pass on CUDA."""
+    bit-identical to ``quant.forms.nvfp4_weight`` (no global scale). One Triton pass on CUDA."""
     shape = (*packed.shape[:-1], packed.shape[-1] * 2)
     if not packed.is_cuda:
-        w = serving.nvfp4_weight(packed, scale.view(torch.float8_e4m3fn), torch.bfloat16)
+        w = forms.nvfp4_weight(packed, scale.view(torch.float8_e4m3fn), torch.bfloat16)
         return w if out is None else out.copy_(w)
     triton, kernel = _kernel()
     p = packed.contiguous().view(torch.uint8)

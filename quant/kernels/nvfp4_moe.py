@@ -1,6 +1,7 @@
-"""NVFP4 routed experts on Hopper: a Triton grouped GEMM in the serving form, and its input gradient.
+"""NVFP4 routed experts in the hopper serving form: ``nvfp4_moe_linear`` (differentiable in x, frozen weights) and
+the routing helpers that sort the rows by expert.
 
-Serving form (``quant.serving.nvfp4_linear(..., "hopper")``, what Humming/Marlin run on H200), per
+Serving form (``quant.forms.nvfp4_linear(..., "hopper")``, what Humming/Marlin run on H200), per
 expert e and its rows of the expert-sorted input x:
 
     y = bf16(fp32acc(x_bf16 @ (e2m1 * s)^T) * gs[e])          forward
@@ -12,71 +13,26 @@ empty experts included), ``packed`` [E, N, K/2] uint8 (low nibble = even element
 ``offsets`` [E+1] int32 on the device. ``sort_by_expert`` builds the order and the offsets from
 top-k routing ids.
 
-Kernels (one per direction, plain ``tl.dot`` on bf16 tiles, fp32 accumulators):
-- the weight tile is decoded in registers: e2m1 * s is exact in bf16 (2 significant bits times
-  4), so the GEMM operands are bit-identical to the reference's; only the fp32 accumulation order
-  differs. The global scale multiplies the fp32 accumulator in the epilogue, then one bf16 round.
-- tiles never straddle experts: each program finds its expert from the offsets (a prefix sum over
-  the per-expert tile counts, computed in the kernel, so there is no host sync and any number of
-  rows per expert works); the grid is sized for the worst case, cdiv(M, BM) + E row tiles.
-- forward computes the transposed tile (weights as the MMA's M side, tokens as its N side), so a
-  handful of tokens per expert still fills a 16-wide MMA and the kernel streams the packed weights.
-- two decoders: "triton" (portable tl ops: nibble -> fp16 bit pattern, x 2^14 * s in fp32) and
-  "asm" (8 nibbles of one 32-bit word at a time, bf16x2 fma; about 2 integer instructions per
-  element instead of 4-5, an estimate from the instruction mix; needs sm80+), the default: 1.23x
-  faster at 64 tokens, 1.39x at 32768. Both are exact.
-
-Measured on one H200 (torch 2.11, Triton 3.6; results/gpu/bench_expert_gemm.json with the first
-configs, results/gpu/run3/expert_small.json for BN=64), all 128 M3 experts (gate_up 6144->6144,
-down 3072->6144), top-4 uniform routing, asm decoder:
-
-    tokens  fwd gate_up+down   bf16 _grouped_mm   input grad   bf16     weight floor (4.24 TB/s)
-    64       1.98 ms (BN=64)    4.00 ms            2.01 ms      3.97 ms  0.81 ms
-    512      3.31 ms (BN=64)    4.60 ms            3.35 ms      4.54 ms  0.96 ms
-    4096     6.92 ms            6.17 ms            7.75 ms      6.18 ms  0.96 ms
-    32768   29.6 ms (BM=256)   24.3 ms            45.0 ms      24.4 ms  0.96 ms
-
-Few tokens: the kernel is bound by the integer work of the decode, not by HBM (2.7x the weight
-floor at 64 tokens; the "triton" decoder is 1.23x slower still). At 512 tokens the BM=16 tile
-splits the ~16-30 rows of most experts into two tiles, decoding the weights twice. Many tokens:
-380 TFLOP/s with BM=128; the BM=256 tile (the default there) 19.5 + 10.1 = 29.6 ms at 32768 tokens
-(about 500 TFLOP/s).
-
-Run 11 (results/gpu/run11/bench_expert.json) re-measured these: 1.97 / 3.36 / 6.63 / 29.4 ms forward and 2.00 /
-3.35 / 7.84 / 45.1 ms input gradient at 64 / 512 / 4096 / 32768 tokens. From DEQUANT_MIN_ROWS rows per expert on,
-``nvfp4_moe_linear`` takes the bf16 decode + cuBLAS path of ``nvfp4_dequant`` instead (28.6 / 28.4 ms at 32768).
-
-Triton is imported only when a kernel is first launched on a CUDA tensor; on CPU, or without
-Triton, ``nvfp4_moe_linear`` runs ``nvfp4_moe_linear_reference`` (a loop over experts through
-``quant.serving``).
+Paths, picked per call and direction: the fused Triton grouped GEMM of ``nvfp4_moe_gemm`` (weights decoded in
+registers, fastest at few rows per expert); from ``DEQUANT_MIN_ROWS`` rows per expert on, the bf16 decode + cuBLAS
+of ``nvfp4_dequant``; on CPU, or without Triton, ``nvfp4_moe_linear_reference`` (a loop over experts through
+``quant.forms``). Their measurements are in those modules.
 """
-
-import functools
 
 import torch
 
-from quant import serving
+from quant import forms
 from quant._common import check_dtype
+from quant.kernels._triton import triton_available
+from quant.kernels.nvfp4_dequant import dequant_dgrad, dequant_fwd
+from quant.kernels.nvfp4_moe_gemm import DECODERS, launch_dgrad, launch_fwd
 
 __all__ = [
     "expert_offsets",
     "nvfp4_moe_linear",
     "nvfp4_moe_linear_reference",
     "sort_by_expert",
-    "triton_available",
 ]
-
-
-@functools.lru_cache(maxsize=None)
-def triton_available() -> bool:
-    """True when Triton imports and CUDA is available (the kernels' precondition)."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,7 +60,7 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, t
 
 
 # ---------------------------------------------------------------------------------------------
-# Reference (CPU, or no Triton): loop over experts through quant.serving
+# Reference (CPU, or no Triton): loop over experts through quant.forms
 
 
 def _check(x, packed, scale, global_scale, offsets):
@@ -134,9 +90,9 @@ def nvfp4_moe_linear_reference(
     global_scale: torch.Tensor,
     offsets: torch.Tensor,
 ) -> torch.Tensor:
-    """``serving.nvfp4_linear(x[rows_e], packed[e], scale[e], gs[e], "hopper")`` for each expert.
+    """``forms.nvfp4_linear(x[rows_e], packed[e], scale[e], gs[e], "hopper")`` for each expert.
 
-    Differentiable in x (through ``quant.serving``). Reads the offsets on the host.
+    Differentiable in x (through ``quant.forms``). Reads the offsets on the host.
     """
     _check(x, packed, scale, global_scale, offsets)
     bounds = offsets.tolist()
@@ -148,318 +104,14 @@ def nvfp4_moe_linear_reference(
     for e in range(packed.shape[0]):
         lo, hi = bounds[e], bounds[e + 1]
         if hi > lo:
-            parts.append(serving.nvfp4_linear(x[lo:hi], packed[e], scale[e], gs[e], "hopper"))
+            parts.append(forms.nvfp4_linear(x[lo:hi], packed[e], scale[e], gs[e], "hopper"))
     if not parts:
         return x.new_zeros(x.shape[0], n)
     return torch.cat(parts, 0)
 
 
 # ---------------------------------------------------------------------------------------------
-# Triton kernels (built on first use)
-
-
-@functools.lru_cache(maxsize=None)
-def _kernels():
-    import triton
-    import triton.language as tl
-
-    # bf16 bit patterns of the 8 nibbles of a 32-bit word as bf16x2 pairs (n_k, n_{k+4}): code bits
-    # (s e1 e0 m) -> sign bit 15, e1 e0 m -> bits 8..6. That is a bf16 with exponent field e and
-    # mantissa m, i.e. e2m1 * 2^-126 (a subnormal when e = 0), so one exact bf16x2 fma by 2^126
-    # gives e2m1 and a second by the block scale gives e2m1 * s (exact: <= 6 significant bits).
-    asm_decode = tl.constexpr("""
-    {
-    .reg .b32 t0, t1, r0, r1, r2, r3, ss, bias, nz;
-    mov.b32 ss, {$9, $9};
-    mov.b32 bias, 0x7E807E80;
-    mov.b32 nz, 0x80008000;
-    shl.b32 t0, $8, 6;
-    and.b32 t0, t0, 0x01C001C0;
-    shl.b32 t1, $8, 12;
-    and.b32 t1, t1, 0x80008000;
-    or.b32 r0, t0, t1;
-    shl.b32 t0, $8, 2;
-    and.b32 t0, t0, 0x01C001C0;
-    shl.b32 t1, $8, 8;
-    and.b32 t1, t1, 0x80008000;
-    or.b32 r1, t0, t1;
-    shr.b32 t0, $8, 2;
-    and.b32 t0, t0, 0x01C001C0;
-    shl.b32 t1, $8, 4;
-    and.b32 t1, t1, 0x80008000;
-    or.b32 r2, t0, t1;
-    shr.b32 t0, $8, 6;
-    and.b32 t0, t0, 0x01C001C0;
-    and.b32 t1, $8, 0x80008000;
-    or.b32 r3, t0, t1;
-    fma.rn.bf16x2 r0, r0, bias, nz;
-    fma.rn.bf16x2 r1, r1, bias, nz;
-    fma.rn.bf16x2 r2, r2, bias, nz;
-    fma.rn.bf16x2 r3, r3, bias, nz;
-    fma.rn.bf16x2 r0, r0, ss, nz;
-    fma.rn.bf16x2 r1, r1, ss, nz;
-    fma.rn.bf16x2 r2, r2, ss, nz;
-    fma.rn.bf16x2 r3, r3, ss, nz;
-    mov.b32 {$0, $4}, r0;
-    mov.b32 {$1, $5}, r1;
-    mov.b32 {$2, $6}, r2;
-    mov.b32 {$3, $7}, r3;
-    }
-    """)
-
-    @triton.jit
-    def _decode_tl(p, s, R: tl.constexpr, BK: tl.constexpr):
-        # p [R, BK/2] uint8 (two codes per byte), s [R, BK/16] uint8 (E4M3 bytes) -> [R, BK] bf16.
-        # A code (s e1 e0 m) placed as fp16 bits (s << 15 | e1 e0 m << 9) is e2m1 * 2^-14 exactly
-        # (an fp16 subnormal when e = 0; fp16 -> fp32 conversion is exact), so times 2^14 * s in
-        # fp32 it is e2m1 * s, exact, and exact again in bf16.
-        q = p.to(tl.int32)
-        lo = (((q & 0x7) << 9) | ((q & 0x8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True)
-        hi = (((q & 0x70) << 5) | ((q & 0x80) << 8)).to(tl.uint16).to(tl.float16, bitcast=True)
-        w = tl.interleave(lo.to(tl.float32), hi.to(tl.float32))
-        sf = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0
-        w = tl.reshape(w, (R, BK // 16, 16)) * sf[:, :, None]
-        return tl.reshape(w, (R, BK)).to(tl.bfloat16)
-
-    @triton.jit
-    def _decode_asm(p32, s, R: tl.constexpr, BK: tl.constexpr):
-        # p32 [R, BK/8] int32 (8 codes per word, code j in bits 4j..4j+3), s [R, BK/16] uint8.
-        sb = s.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-        sw = tl.reshape(tl.join(sb, sb), (R, BK // 8))
-        n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
-            asm_decode,
-            "=h,=h,=h,=h,=h,=h,=h,=h,r,h",
-            [p32, sw],
-            dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16,
-                   tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
-            is_pure=True,
-            pack=1,
-        )
-        t = tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)), tl.join(tl.join(n1, n5), tl.join(n3, n7)))
-        return tl.reshape(t, (R, BK))
-
-    @triton.jit
-    def _tile(off_ptr, E, pid_m, E_P2: tl.constexpr, BM: tl.constexpr):
-        # Row tile pid_m -> (expert, first row, end row of that expert, valid). Tiles are laid out
-        # expert by expert, cdiv(rows_e, BM) each.
-        idx = tl.arange(0, E_P2)
-        em = idx < E
-        start = tl.load(off_ptr + idx, mask=em, other=0)
-        end = tl.load(off_ptr + idx + 1, mask=em, other=0)
-        nt = (end - start + BM - 1) // BM
-        cum = tl.cumsum(nt, 0)
-        total = tl.sum(nt, 0)
-        e = tl.sum((cum <= pid_m).to(tl.int32), 0)
-        sel = idx == e
-        first = tl.sum(tl.where(sel, cum - nt, 0), 0)
-        row0 = tl.sum(tl.where(sel, start, 0), 0) + (pid_m - first) * BM
-        row_end = tl.sum(tl.where(sel, end, 0), 0)
-        return e, row0, row_end, pid_m < total
-
-    @triton.jit
-    def _load_w(w_ptr, s_ptr, e64, rows, r_ok, kw0, ks0, N, KW, KS,
-                R: tl.constexpr, BK: tl.constexpr, WPB: tl.constexpr, DECODE: tl.constexpr,
-                EVEN: tl.constexpr):
-        # Decoded weight tile [R, BK] of expert e (rows ``rows``); the row's storage words
-        # (int32 for the asm decoder, bytes otherwise) start at kw0, its scales at ks0.
-        offs_w = kw0 + tl.arange(0, WPB)
-        offs_s = ks0 + tl.arange(0, BK // 16)
-        rows64 = rows.to(tl.int64)
-        wp = w_ptr + e64 * N * KW + rows64[:, None] * KW + offs_w[None, :]
-        sp = s_ptr + e64 * N * KS + rows64[:, None] * KS + offs_s[None, :]
-        if EVEN:
-            p = tl.load(wp, mask=r_ok[:, None], other=0)
-            s = tl.load(sp, mask=r_ok[:, None], other=0)
-        else:
-            p = tl.load(wp, mask=r_ok[:, None] & (offs_w < KW)[None, :], other=0)
-            s = tl.load(sp, mask=r_ok[:, None] & (offs_s < KS)[None, :], other=0)
-        if DECODE == 1:
-            w = _decode_asm(p, s, R, BK)
-        else:
-            w = _decode_tl(p, s, R, BK)
-        return w
-
-    @triton.jit
-    def _fwd_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, off_ptr, y_ptr,
-                    N, K, E, KW, KS, stride_xm, stride_ym,
-                    E_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    WPB: tl.constexpr, DECODE: tl.constexpr, EVEN_K: tl.constexpr):
-        # y^T tile [BN, BM] = W_e[BN, K] @ x[BM, K]^T: the weight rows are the MMA's M side.
-        pid = tl.program_id(0)
-        num_n = tl.cdiv(N, BN)
-        pid_m = pid // num_n
-        pid_n = pid % num_n
-        e, row0, row_end, valid = _tile(off_ptr, E, pid_m, E_P2, BM)
-        if valid:
-            e64 = e.to(tl.int64)
-            offs_m = row0 + tl.arange(0, BM)
-            m_ok = offs_m < row_end
-            offs_n = pid_n * BN + tl.arange(0, BN)
-            n_ok = offs_n < N
-            offs_k = tl.arange(0, BK)
-            x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
-            acc = tl.zeros((BN, BM), dtype=tl.float32)
-            for i in range(0, tl.cdiv(K, BK)):
-                if EVEN_K:
-                    xt = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-                else:
-                    xt = tl.load(x_ptrs, mask=m_ok[:, None] & (i * BK + offs_k < K)[None, :], other=0.0)
-                w = _load_w(w_ptr, s_ptr, e64, offs_n, n_ok, i * WPB, i * (BK // 16), N, KW, KS,
-                            BN, BK, WPB, DECODE, EVEN_K)
-                acc = tl.dot(w, tl.trans(xt), acc)
-                x_ptrs += BK
-            gs = tl.load(gs_ptr + e)
-            out = (acc * gs).to(tl.bfloat16)
-            y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
-            tl.store(y_ptrs, out, mask=n_ok[:, None] & m_ok[None, :])
-
-    @triton.jit
-    def _dgrad_kernel(dy_ptr, w_ptr, s_ptr, gs_ptr, off_ptr, dx_ptr,
-                      N, K, E, KW, KS, stride_dym, stride_dxm,
-                      E_P2: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-                      WPB: tl.constexpr, DECODE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                      SWAP: tl.constexpr):
-        # dx tile [BM, BK] = dy[BM, N] @ W_e[N, BK], reducing over N in steps of BN.
-        pid = tl.program_id(0)
-        num_k = tl.cdiv(K, BK)
-        pid_m = pid // num_k
-        pid_k = pid % num_k
-        e, row0, row_end, valid = _tile(off_ptr, E, pid_m, E_P2, BM)
-        if valid:
-            e64 = e.to(tl.int64)
-            offs_m = row0 + tl.arange(0, BM)
-            m_ok = offs_m < row_end
-            offs_k = pid_k * BK + tl.arange(0, BK)
-            k_ok = offs_k < K
-            offs_n = tl.arange(0, BN)
-            dy_ptrs = dy_ptr + offs_m.to(tl.int64)[:, None] * stride_dym + offs_n[None, :]
-            if SWAP:
-                acc = tl.zeros((BK, BM), dtype=tl.float32)
-            else:
-                acc = tl.zeros((BM, BK), dtype=tl.float32)
-            for i in range(0, tl.cdiv(N, BN)):
-                rows = i * BN + offs_n
-                r_ok = rows < N
-                if EVEN_N:
-                    g = tl.load(dy_ptrs, mask=m_ok[:, None], other=0.0)
-                else:
-                    g = tl.load(dy_ptrs, mask=m_ok[:, None] & r_ok[None, :], other=0.0)
-                w = _load_w(w_ptr, s_ptr, e64, rows, r_ok, pid_k * WPB, pid_k * (BK // 16), N, KW, KS,
-                            BN, BK, WPB, DECODE, EVEN_K)
-                if SWAP:
-                    acc = tl.dot(tl.trans(w), tl.trans(g), acc)
-                else:
-                    acc = tl.dot(g, w, acc)
-                dy_ptrs += BN
-            gs = tl.load(gs_ptr + e)
-            out = (acc * gs).to(tl.bfloat16)
-            if SWAP:
-                dx_ptrs = dx_ptr + offs_m.to(tl.int64)[None, :] * stride_dxm + offs_k[:, None]
-                tl.store(dx_ptrs, out, mask=k_ok[:, None] & m_ok[None, :])
-            else:
-                dx_ptrs = dx_ptr + offs_m.to(tl.int64)[:, None] * stride_dxm + offs_k[None, :]
-                tl.store(dx_ptrs, out, mask=m_ok[:, None] & k_ok[None, :])
-
-    return triton, _fwd_kernel, _dgrad_kernel
-
-
-# ---------------------------------------------------------------------------------------------
-# Launch configuration
-
-DECODERS = {"triton": 0, "asm": 1}
-DEFAULT_DECODER = "asm"
-
-
-def fwd_config(m: int, num_experts: int) -> dict:
-    """Tile config for the forward by the average rows per expert (tokens are the MMA's N side)."""
-    avg = m / max(num_experts, 1)
-    if avg <= 16:  # BN=64: twice the programs over the weight rows (results/gpu/run3/expert_small.json)
-        return dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=4)
-    if avg <= 32:
-        return dict(BM=32, BN=64, BK=128, num_warps=4, num_stages=4)
-    if avg <= 96:
-        return dict(BM=64, BN=128, BK=128, num_warps=4, num_stages=4)
-    return LARGE_M_CONFIG_BM256
-
-
-# The large-token bucket (results/gpu/bench_expert_gemm.json variants; exact in test_nvfp4_moe_config_variants)
-LARGE_M_CONFIG_BM256 = dict(BM=256, BN=128, BK=128, num_warps=8, num_stages=3)
-
-
-def dgrad_config(m: int, num_experts: int) -> dict:
-    """Tile config for the input gradient (SWAP: the weights on the MMA's M side, for few rows)."""
-    avg = m / max(num_experts, 1)
-    if avg <= 16:
-        return dict(BM=16, BK=128, BN=64, num_warps=4, num_stages=4, SWAP=True)
-    if avg <= 32:
-        return dict(BM=32, BK=128, BN=64, num_warps=4, num_stages=4, SWAP=True)
-    if avg <= 96:
-        return dict(BM=64, BK=128, BN=64, num_warps=4, num_stages=4, SWAP=False)
-    return dict(BM=128, BK=128, BN=128, num_warps=8, num_stages=3, SWAP=False)
-
-
-def _prep(packed, scale, decoder):
-    """(weight words, scale bytes, words per row) for the kernels; views, no copies if contiguous."""
-    packed = packed.contiguous()
-    scale = scale.contiguous().view(torch.uint8)
-    if decoder == "asm":
-        if packed.shape[-1] % 4 != 0:
-            raise ValueError("the asm decoder needs K to be a multiple of 8")
-        words = packed.view(torch.int32)
-    else:
-        words = packed
-    return words, scale, words.shape[-1]
-
-
-def _launch_fwd(x, packed, scale, gs, offsets, out=None, config=None, decoder=None):
-    triton, fwd_kernel, _ = _kernels()
-    e, n, kh = packed.shape
-    k = kh * 2
-    m = x.shape[0]
-    decoder = decoder or DEFAULT_DECODER
-    cfg = dict(fwd_config(m, e), **(config or {}))
-    words, sbytes, kw = _prep(packed, scale, decoder)
-    x = x.contiguous()
-    if out is None:
-        out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    if m == 0:
-        return out
-    bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
-    grid = ((triton.cdiv(m, bm) + e) * triton.cdiv(n, bn),)
-    fwd_kernel[grid](
-        x, words, sbytes, gs, offsets, out,
-        n, k, e, kw, k // 16, x.stride(0), out.stride(0),
-        E_P2=triton.next_power_of_2(e), BM=bm, BN=bn, BK=bk, WPB=bk // 8 if decoder == "asm" else bk // 2,
-        DECODE=DECODERS[decoder], EVEN_K=(k % bk == 0),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-    return out
-
-
-def _launch_dgrad(dy, packed, scale, gs, offsets, out=None, config=None, decoder=None):
-    triton, _, dgrad_kernel = _kernels()
-    e, n, kh = packed.shape
-    k = kh * 2
-    m = dy.shape[0]
-    decoder = decoder or DEFAULT_DECODER
-    cfg = dict(dgrad_config(m, e), **(config or {}))
-    words, sbytes, kw = _prep(packed, scale, decoder)
-    dy = dy.contiguous()
-    if out is None:
-        out = torch.empty(m, k, dtype=torch.bfloat16, device=dy.device)
-    if m == 0:
-        return out
-    bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
-    grid = ((triton.cdiv(m, bm) + e) * triton.cdiv(k, bk),)
-    dgrad_kernel[grid](
-        dy, words, sbytes, gs, offsets, out,
-        n, k, e, kw, k // 16, dy.stride(0), out.stride(0),
-        E_P2=triton.next_power_of_2(e), BM=bm, BK=bk, BN=bn, WPB=bk // 8 if decoder == "asm" else bk // 2,
-        DECODE=DECODERS[decoder], EVEN_K=(k % bk == 0), EVEN_N=(n % bn == 0), SWAP=cfg["SWAP"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-    return out
-
+# CUDA: the fused kernels or the decode + cuBLAS path, per direction
 
 # Rows per expert (average) from which a direction decodes the weights to bf16 once per call and runs cuBLAS
 # (quant.kernels.nvfp4_dequant) instead of the fused kernels. Measured on the H200, all 128 M3 experts, gate_up +
@@ -487,11 +139,9 @@ class _NVFP4MoELinear(torch.autograd.Function):
         ctx.save_for_backward(packed, scale, gs, offsets)
         ctx.decoder, ctx.impl, ctx.host = decoder, impl, None
         if _pick(impl, x.shape[0], packed.shape[0], "fwd") == "dequant":
-            from quant.kernels.nvfp4_dequant import dequant_fwd
-
             ctx.host = _host(gs, offsets)
             return dequant_fwd(x, packed, scale, *ctx.host)
-        return _launch_fwd(x, packed, scale, gs, offsets, config=config, decoder=decoder)
+        return launch_fwd(x, packed, scale, gs, offsets, config=config, decoder=decoder)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
@@ -500,11 +150,9 @@ class _NVFP4MoELinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             g = grad.to(torch.bfloat16)
             if _pick(ctx.impl, g.shape[0], packed.shape[0], "dgrad") == "dequant":
-                from quant.kernels.nvfp4_dequant import dequant_dgrad
-
                 gx = dequant_dgrad(g, packed, scale, *(ctx.host or _host(gs, offsets)))
             else:
-                gx = _launch_dgrad(g, packed, scale, gs, offsets, decoder=ctx.decoder)
+                gx = launch_dgrad(g, packed, scale, gs, offsets, decoder=ctx.decoder)
         return gx, None, None, None, None, None, None, None
 
 
@@ -523,7 +171,7 @@ def nvfp4_moe_linear(
 
     ``x`` holds the routed rows sorted by expert, expert e's rows at ``offsets[e]:offsets[e+1]``;
     ``packed`` [E, N, K/2] uint8, ``scale`` [E, N, K/16] e4m3, ``global_scale`` [E] fp32 decode
-    scales (w13: the gate's, ``serving.fused_w13_global_scale``), ``offsets`` [E+1] int32.
+    scales (w13: the gate's, ``quant.forms.fused_w13_global_scale``), ``offsets`` [E+1] int32.
     Differentiable in x (frozen weights). On CUDA with Triton: the fused Triton kernels (bf16 x) or,
     from ``DEQUANT_MIN_ROWS`` rows per expert on, a bf16 decode + cuBLAS per direction (``impl``
     "kernel" / "dequant" forces one; the decode path reads the offsets on the host);
@@ -540,14 +188,3 @@ def nvfp4_moe_linear(
     gs = global_scale.reshape(-1).to(device=x.device, dtype=torch.float32).contiguous()
     offsets = offsets.to(device=x.device, dtype=torch.int32).contiguous()
     return _NVFP4MoELinear.apply(x.to(torch.bfloat16), packed, scale, gs, offsets, config, decoder, impl)
-
-
-def flops(m: int, n: int, k: int) -> int:
-    """2*M*N*K: the multiply-adds of one grouped GEMM over M routed rows."""
-    return 2 * m * n * k
-
-
-def weight_bytes(num_experts: int, n: int, k: int) -> int:
-    """Packed NVFP4 bytes of an [E, N, K] stack: K/2 codes + K/16 scales per row (0.5625 B/param)."""
-    return num_experts * n * (k // 2 + k // 16)
-

@@ -1,4 +1,4 @@
-# Sourced by the scripts/gpu/run*.sh device runs (through the device tool, from the repo root, carry .whl).
+# Sourced by scripts/gpu/run.sh (through the device tool, from the repo root, carry .whl).
 # Sets up the H200's Python (transformers 5.19 from .whl; the machine has torch/triton but no vLLM and no network),
 # $OUT (the device tool's output folder, else results/gpu/<name>), $P (pytest on -m gpu tests) and
 # `run NAME LIMIT CMD...`: CMD's output to $OUT/NAME.log, its exit code and seconds to $OUT/summary.log.

@@ -1,4 +1,4 @@
-"""Triton kernels (quant.kernels) vs the quant.serving reference forms, on a CUDA GPU.
+"""Triton kernels (quant.kernels) vs the quant.forms reference forms, on a CUDA GPU.
 
 Self-contained (no vLLM, no quant_oracles). Run through the device tool:
     python -m pytest tests/quant/test_kernels_gpu.py -m gpu -q -p no:cacheprovider
@@ -19,8 +19,9 @@ Also asserted: ||y - y_ref|| / ||y_ref|| <= 2^-8 and >= 90% of outputs bit-ident
 import pytest
 import torch
 
-from quant import mxfp8, serving
+from quant import forms, mxfp8
 from quant.kernels import nvfp4_moe as moe
+from quant.kernels import nvfp4_moe_gemm as gemm
 from quant.kernels.mxfp8_linear import _fused_dgrad, _fused_fwd, mxfp8_dequantize, mxfp8_linear
 
 pytestmark = pytest.mark.gpu
@@ -111,8 +112,8 @@ def _ref_dgrad(dy, packed, scale, gs, offsets):
     for e in range(packed.shape[0]):
         lo, hi = bounds[e], bounds[e + 1]
         if hi > lo:
-            w = serving.nvfp4_weight(packed[e], scale[e], BF16)
-            out[lo:hi] = (serving._mm_fp32(dy[lo:hi], w.t()) * gs[e]).to(BF16)
+            w = forms.nvfp4_weight(packed[e], scale[e], BF16)
+            out[lo:hi] = (forms._mm_fp32(dy[lo:hi], w.t()) * gs[e]).to(BF16)
     return out
 
 
@@ -122,14 +123,14 @@ def _check_moe(x, packed, scale, gs, offsets, decoder, what):
     ref = _ref_fwd(x, packed, scale, gs, offsets)
     absref = _ref_fwd(x.abs(), *_abs_stack(packed, scale), gs, offsets)
     out = torch.full((x.shape[0], n), float("nan"), dtype=BF16, device=DEV)
-    y = moe._launch_fwd(x, packed, scale, gs, offsets, out=out, decoder=decoder)
+    y = gemm.launch_fwd(x, packed, scale, gs, offsets, out=out, decoder=decoder)
     torch.cuda.synchronize()
     fwd = _assert_bound(y, ref, absref, k, f"{what} fwd")
     dy = torch.randn(x.shape[0], n, device=DEV, dtype=BF16)
     ref_dx = _ref_dgrad(dy, packed, scale, gs, offsets)
     abs_dx = _ref_dgrad(dy.abs(), *_abs_stack(packed, scale), gs, offsets)
     out = torch.full(x.shape, float("nan"), dtype=BF16, device=DEV)
-    dx = moe._launch_dgrad(dy, packed, scale, gs, offsets, out=out, decoder=decoder)
+    dx = gemm.launch_dgrad(dy, packed, scale, gs, offsets, out=out, decoder=decoder)
     torch.cuda.synchronize()
     bwd = _assert_bound(dx, ref_dx, abs_dx, n, f"{what} dgrad")
     return fwd, bwd
@@ -159,7 +160,7 @@ def test_nvfp4_moe_small(e, n, k, counts, decoder):
 
 
 CONFIG_VARIANTS = {  # tile configs beside the defaults (scripts/bench_expert_gemm.py --variants times them)
-    "fwd_BM256": ("fwd", moe.LARGE_M_CONFIG_BM256),  # the default at many tokens since run 7
+    "fwd_BM256": ("fwd", gemm.LARGE_M_CONFIG_BM256),  # the default at many tokens since run 7
     "fwd_BM32": ("fwd", dict(BM=32, BN=128, BK=128, num_warps=4, num_stages=4)),  # ~16 rows per expert
     "dgrad_BM256_BN64": ("dgrad", dict(BM=256, BK=128, BN=64, num_warps=8, num_stages=3, SWAP=False)),
     "dgrad_BM256_BN128_st2": ("dgrad", dict(BM=256, BK=128, BN=128, num_warps=8, num_stages=2, SWAP=False)),
@@ -175,7 +176,7 @@ def test_nvfp4_moe_config_variants(name):
     packed, scale, gs = _nvfp4_stack(e, n, k, gen)
     offsets = _offsets_from_counts([300, 17, 0, 600])
     fwd = direction == "fwd"
-    reference, launch = (_ref_fwd, moe._launch_fwd) if fwd else (_ref_dgrad, moe._launch_dgrad)
+    reference, launch = (_ref_fwd, gemm.launch_fwd) if fwd else (_ref_dgrad, gemm.launch_dgrad)
     inp = torch.randn(917, k if fwd else n, device=DEV, dtype=BF16, generator=gen)
     ref = reference(inp, packed, scale, gs, offsets)
     absref = reference(inp.abs(), *_abs_stack(packed, scale), gs, offsets)
@@ -195,7 +196,7 @@ def test_nvfp4_moe_skewed_and_empty():
     offsets = _offsets_from_counts(counts)
     x = torch.randn(sum(counts), k, device=DEV, dtype=BF16, generator=gen)
     _check_moe(x, packed, scale, gs, offsets, None, "skewed")
-    empty = moe._launch_fwd(x[:0], packed, scale, gs, _offsets_from_counts([0] * e))
+    empty = gemm.launch_fwd(x[:0], packed, scale, gs, _offsets_from_counts([0] * e))
     assert empty.shape == (0, n)
 
 
@@ -208,7 +209,7 @@ def test_nvfp4_moe_nan_scale_propagates():
     sb[1, 5, 3] = 0x7F
     offsets = _offsets_from_counts([3, 4])
     x = torch.randn(7, k, device=DEV, dtype=BF16, generator=gen)
-    y = moe._launch_fwd(x, packed, sb.view(torch.float8_e4m3fn), gs, offsets)
+    y = gemm.launch_fwd(x, packed, sb.view(torch.float8_e4m3fn), gs, offsets)
     ref = _ref_fwd(x, packed, sb.view(torch.float8_e4m3fn), gs, offsets)
     assert torch.equal(torch.isnan(y), torch.isnan(ref))
     assert torch.isnan(y[3:, 5]).all() and not torch.isnan(y[:3]).any()
@@ -226,7 +227,7 @@ def test_sort_by_expert():
 
 
 def test_nvfp4_moe_autograd():
-    """nvfp4_moe_linear forward + backward vs the reference autograd through quant.serving."""
+    """nvfp4_moe_linear forward + backward vs the reference autograd through quant.forms."""
     gen = torch.Generator(device=DEV).manual_seed(11)
     e, n, k = 8, 384, 256
     packed, scale, gs = _nvfp4_stack(e, n, k, gen)
@@ -297,7 +298,7 @@ def test_mxfp8_linear(m, n, k, bias, impl):
     q, s = _mxfp8_weight(n, k, gen)
     b = torch.randn(n, device=DEV, dtype=BF16, generator=gen) if bias else None
     x = torch.randn(m, k, device=DEV, dtype=BF16, generator=gen)
-    ref = serving.mxfp8_linear(x, q, s, "hopper", bias=b)
+    ref = forms.mxfp8_linear(x, q, s, "hopper", bias=b)
     w = mxfp8.dequantize(q, s, BF16)
     absref = (x.abs().float() @ w.abs().float().t())
     if b is not None:
@@ -336,7 +337,7 @@ def test_nvfp4_dequantize_bit_exact_cuda():
     scale.view(-1)[:256] = torch.arange(256, dtype=torch.uint8, device=DEV)
     out = torch.full((3, 64, 1024), float("nan"), dtype=BF16, device=DEV)
     got = nvfp4_dequantize(packed, scale, out)
-    ref = serving.nvfp4_weight(packed, scale.view(torch.float8_e4m3fn), BF16)
+    ref = forms.nvfp4_weight(packed, scale.view(torch.float8_e4m3fn), BF16)
     nan = torch.isnan(ref)
     assert torch.equal(torch.isnan(got), nan)
     assert torch.equal(got.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])

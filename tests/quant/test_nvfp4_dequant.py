@@ -1,5 +1,5 @@
 """quant.kernels.nvfp4_dequant on CPU: the Triton decode under Triton's interpreter (a subprocess with the
-interpreter-only Triton of scripts/install/setup_env.sh on its path) is bit-identical to quant.serving.nvfp4_weight
+interpreter-only Triton of scripts/install/setup_env.sh on its path) is bit-identical to quant.forms.nvfp4_weight
 on every code and scale byte (subnormal and NaN scales too); the per-expert chunked GEMM loop (chunks, empty experts,
 forward and input gradient) matches the reference expert loop. Their CUDA runs: tests/quant/test_kernels_gpu.py.
 """
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from quant import serving
+from quant import forms
 from quant.kernels import nvfp4_moe as moe
 from quant.kernels.nvfp4_dequant import dequant_dgrad, dequant_fwd
 from tests.triton_interpreter import run_under_interpreter
@@ -33,7 +33,7 @@ if __name__ == "__main__":  # the interpreter subprocess
     out = torch.full((*packed.shape[:-1], packed.shape[-1] * 2), float("nan"), dtype=torch.bfloat16)
     total = packed.numel()
     kernel[(triton.cdiv(total, 1024),)](packed, scale, out, total, BLOCK=1024)
-    ref = serving.nvfp4_weight(packed, scale.view(torch.float8_e4m3fn), torch.bfloat16)
+    ref = forms.nvfp4_weight(packed, scale.view(torch.float8_e4m3fn), torch.bfloat16)
     nan = torch.isnan(ref)
     print(json.dumps({"same_nan": bool(torch.equal(torch.isnan(out), nan)),
                       "bits_equal": bool(torch.equal(out.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])),
@@ -62,7 +62,7 @@ def test_chunked_expert_gemms_match_the_reference(chunk):
     y = dequant_fwd(x, packed, scale, gs.tolist(), bounds, chunk=chunk)
     dx = dequant_dgrad(dy, packed, scale, gs.tolist(), bounds, chunk=chunk)
     ref_y = moe.nvfp4_moe_linear_reference(x, packed, scale, gs, offsets)
-    ref_dx = torch.cat([(serving._mm_fp32(dy[a:b], serving.nvfp4_weight(packed[i], scale[i]).t()) * gs[i])
+    ref_dx = torch.cat([(forms._mm_fp32(dy[a:b], forms.nvfp4_weight(packed[i], scale[i]).t()) * gs[i])
                         .bfloat16() for i, (a, b) in enumerate(zip(bounds, bounds[1:]))])
     for got, ref in ((y, ref_y), (dx, ref_dx)):
         assert got.shape == ref.shape

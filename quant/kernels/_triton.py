@@ -1,0 +1,20 @@
+"""Whether the Triton kernels of ``quant.kernels`` can run here; shared by every kernel module so none imports
+another just for this check."""
+
+import functools
+
+import torch
+
+__all__ = ["triton_available"]
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """True when Triton imports and CUDA is available (the kernels' precondition)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import triton  # noqa: F401  (optional dependency: CPU installs run without it)
+    except ImportError:
+        return False
+    return True
