@@ -80,14 +80,8 @@ def build_slice(experts: int, device: str = "cpu", seed: int = 0) -> Path:
 
     from m3.weights import weight_specs
     from quant import convert as qc
-    from quant.checkpoint import (
-        CheckpointWriter,
-        QuantizedCheckpoint,
-        mixed_precision_config,
-        nvfp4_global_scale,
-        quantize_mxfp8,
-        quantize_nvfp4,
-    )
+    from quant.checkpoint import CheckpointWriter, QuantizedCheckpoint, mixed_precision_config  # noqa: I001
+    from quant.checkpoint import nvfp4_global_scale, quantize_mxfp8, quantize_nvfp4
 
     out = slice_dir(experts)
     if (out / "DONE").is_file():

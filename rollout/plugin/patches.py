@@ -82,9 +82,7 @@ def _patch_cpu_experts() -> None:
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
 
-    from rollout.plugin.m3_portable import (
-        PortableExperts,  # subclasses vLLM's M3 classes: imported only when the patch applies
-    )
+    from rollout.plugin.m3_portable import PortableExperts  # subclasses vLLM's experts: only when the patch applies
 
     select = method.select_unquantized_moe_backend
 

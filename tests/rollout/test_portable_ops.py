@@ -10,7 +10,7 @@ import torch
 
 from rollout.plugin import portable_ops as P
 
-B = P.SPARSE_BLOCK
+B = P.MSA_BLOCK
 
 
 def naive_topk(q, keys, pos, topk, init, local):
