@@ -157,7 +157,7 @@ class Config:
 CHOICES = {
     "model.dtype": ("bfloat16", "float32"), "model.base": ("quantized", "bf16"), "model.profile": ("hopper", "blackwell"),
     "model.kv_cache_dtype": ("auto", "nvfp4"), "model.indexer_kv_dtype": ("bf16", "nvfp4"),
-    "model.attention_impl": ("auto", "reference", "triton", "flex"),
+    "model.attention_impl": ("auto", "reference", "block", "triton", "flex"),
     "model.moe_impl": ("auto", "loop", "grouped"), "data.kind": ("verl", "dapo_math_17k", "aime_2024"),
     "data.on_bad_row": ("skip", "error"), "algorithm.adv_estimator": ("grpo",),
     "algorithm.rollout_correction.rollout_is": ("token", None), "algorithm.rollout_correction.loss_type":

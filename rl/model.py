@@ -36,7 +36,7 @@ class TrainerModelConfig:
     marlin_flush: bool = False  # zero subnormal NVFP4 block scales as vLLM's Marlin (GPU + LoRA) does
     kv_cache_dtype: str = "auto"  # "nvfp4": K/V QDQ as the engine's NVFP4 cache stores them
     indexer_kv_dtype: str = "bf16"  # "nvfp4": index keys QDQ likewise
-    attention_impl: str = "auto"  # MSA: "reference" (CPU), "triton" / "flex" (GPU), "auto"
+    attention_impl: str = "auto"  # MSA: "reference" (CPU), "block" / "triton" / "flex" (GPU), "auto"
     moe_impl: str = "auto"  # routed experts: "loop" (per expert), "grouped" (CUDA bf16: Triton NVFP4 / _grouped_mm)
     activation_checkpointing: bool = False  # recompute each decoder layer in backward (long sequences)
     moe_chunk_tokens: int = 0  # > 0: routed experts in token chunks, each recomputed in backward (less memory)
@@ -49,7 +49,8 @@ class TrainerModelConfig:
                                     ("profile", self.profile, ("hopper", "blackwell")),
                                     ("kv_cache_dtype", self.kv_cache_dtype, ("auto", "nvfp4")),
                                     ("indexer_kv_dtype", self.indexer_kv_dtype, ("bf16", "nvfp4")),
-                                    ("attention_impl", self.attention_impl, ("auto", "reference", "triton", "flex")),
+                                    ("attention_impl", self.attention_impl,
+                                     ("auto", "reference", "block", "triton", "flex")),
                                     ("moe_impl", self.moe_impl, ("auto", "loop", "grouped"))):
             if value not in allowed:
                 raise ValueError(f"model.{key}={value!r}: expected one of {list(allowed)}")

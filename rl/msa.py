@@ -211,9 +211,10 @@ def sparse_attention(
 
     q [T, Hq, D]; k, v [T, Hkv, D]; block_ids [T, Hkv, topk] per-sequence block ids (-1 = empty);
     scale defaults to D**-0.5. Query head h reads KV head h // (Hq // Hkv) and that head's blocks.
-    impl: "reference" (chunked dense masked attention, exact, any device), "triton" (rl.msa_triton: per-token
-    block-sparse kernels, CUDA bf16/fp16), "flex" (FlexAttention with a BlockMask, CUDA; forward only on CPU),
-    "auto" (triton on CUDA in bf16/fp16, flex on CUDA in fp32, reference elsewhere).
+    impl: "reference" (chunked dense masked attention, exact, any device), "block" (rl.msa_block_outer: KV-block-
+    outer kernels, CUDA bf16/fp16), "triton" (rl.msa_triton: per-token block-sparse kernels, CUDA bf16/fp16), "flex"
+    (FlexAttention with a BlockMask, CUDA; forward only on CPU), "auto" (block on CUDA in bf16/fp16, flex on CUDA in
+    fp32, reference elsewhere).
     Returns [T, Hq, D] in q's dtype.
     """
     t_count, hq, dim = q.shape
@@ -224,16 +225,21 @@ def sparse_attention(
         validate_block_ids(block_ids, cu_seqlens, num_heads=k.shape[1])
     scale = dim ** -0.5 if scale is None else scale
     if impl == "auto":  # the Triton kernels are measured and tested in bf16 (fp32 tiles exceed shared memory)
-        impl = ("triton" if q.dtype != torch.float32 else "flex") if q.is_cuda else "reference"
+        # block-outer beats the per-token kernels at every length measured, 4K-64K (results/gpu/issue18_targets.json)
+        impl = ("block" if q.dtype != torch.float32 else "flex") if q.is_cuda else "reference"
     if impl == "reference":
         return _reference_attention(q, k, v, block_ids, cu_seqlens, scale, chunk_size)
+    if impl == "block":
+        from rl import msa_block_outer
+
+        return msa_block_outer.sparse_attention(q, k, v, block_ids, cu_seqlens, scale)
     if impl == "triton":
         from rl import msa_triton
 
         return msa_triton.sparse_attention(q, k, v, block_ids, cu_seqlens, scale)
     if impl == "flex":
         return _flex_attention(q, k, v, block_ids, cu_seqlens, scale, kernel_options)
-    raise ValueError(f"impl must be 'reference', 'triton', 'flex' or 'auto', got {impl!r}")
+    raise ValueError(f"impl must be 'reference', 'block', 'triton', 'flex' or 'auto', got {impl!r}")
 
 
 def _reference_attention(q, k, v, block_ids, cu_seqlens, scale, chunk_size):
