@@ -37,8 +37,9 @@ BLOCK = 128  # MSA block = keys per program
 class Config:
     """Tile shapes and launch parameters (scripts/bench_msa.py --sweep times alternatives)."""
 
-    fwd_rows: int = 128  # rows per forward tile: rows // G tokens x their G query heads (8 tokens for M3)
-    fwd_warps: int = 8
+    # Defaults from results/gpu/run12's sweep at 32K and 4K tokens (64 q / 4 KV heads, d 128, top-16).
+    fwd_rows: int = 64  # rows per forward tile: rows // G tokens x their G query heads (4 tokens for M3)
+    fwd_warps: int = 4
     fwd_stages: int = 2
     bwd_rows: int = 64
     bwd_keys: int = 128  # keys per backward program (64: two programs per item, half the dK/dV registers)
@@ -47,9 +48,11 @@ class Config:
     part_dtype: str = "bf16"  # storage of partial outputs / dQ partials: "bf16" or "fp32"
     dq: str = "partial"  # "partial" (per-entry partials, then a sum) or "atomic" (fp32 atomic adds)
     item_tokens: int = 512  # entries per work item
-    dense_prefix_min: int = 1024  # prefix tokens per sequence from which SDPA takes the dense prefix; 0 = never
+    # Prefix tokens per sequence from which SDPA takes the dense prefix; 0 = never. Off: the kernels take those
+    # tokens for less than SDPA plus gathering them (run12 sweep: 33.6 vs 34.9 ms at 32K, 5.1 vs 5.5 ms at 4K).
+    dense_prefix_min: int = 0
     row_tile: int = 64  # rows per program of the row-wise kernels (merge, delta, dQ sum)
-    order: str = "size"  # launch order of work items: "size" (largest first) or "token" (by first token: programs
+    order: str = "token"  # launch order of work items: "size" (largest first) or "token" (by first token: programs
     # running together read the same tokens' q/dO, which may then come from L2)
 
 
@@ -76,55 +79,56 @@ class Plan:
 
 
 def build_plan(block_ids: torch.Tensor, cu_seqlens, config: Config = DEFAULT) -> Plan:
+    """The inverted lists. Per-sequence and per-block tables are made on the host and copied once; the per-entry
+    work is one stable sort on the device; one sync reads the number of work items (the grid size). Few launches:
+    at 4K tokens this runs about as long as the kernels (results/gpu/run12: 1.9 ms before this layout)."""
     from rl import msa
 
     device = block_ids.device
     t_count, hkv, topk = block_ids.shape
     bounds = msa.seq_bounds(cu_seqlens)
-    lens_l = [e - s for s, e in bounds]
-    nblk_l = [-(-n // BLOCK) for n in lens_l]
-    nkb = sum(nblk_l)
-    cu = torch.tensor([0] + [e for _, e in bounds], device=device)
-    lens, nblk = torch.tensor(lens_l, device=device), torch.tensor(nblk_l, device=device)
+    nseq = len(bounds)
+    lens = torch.tensor([e - s for s, e in bounds])
+    nblk = (lens + BLOCK - 1) // BLOCK
+    nkb = int(nblk.sum())
+    cu = F.pad(torch.cumsum(lens, 0), (1, 0))
     base = torch.cumsum(nblk, 0) - nblk  # first global block of each sequence
-    seq_ids = torch.arange(len(bounds), device=device)
-    seq_of_token = torch.repeat_interleave(seq_ids, lens, output_size=t_count)
-    pos = torch.arange(t_count, device=device) - cu[seq_of_token]
-    seq_of_kb = torch.repeat_interleave(seq_ids, nblk, output_size=nkb)
-    kstart = cu[seq_of_kb] + BLOCK * (torch.arange(nkb, device=device) - base[seq_of_kb])
-
+    seq_of_kb = torch.repeat_interleave(torch.arange(nseq), nblk)
+    kstart = cu[seq_of_kb] + BLOCK * (torch.arange(nkb) - base[seq_of_kb])
     # Dense prefixes: positions < topk*128 select every visible block, i.e. causal attention over the prefix.
-    plen = [min(n, topk * BLOCK) if config.dense_prefix_min and min(n, topk * BLOCK) >= config.dense_prefix_min
-            else 0 for n in lens_l]
-    prefixes = [(s, p) for (s, _), p in zip(bounds, plen) if p]
-    dense = pos < torch.tensor(plen, device=device, dtype=torch.long)[seq_of_token]
-    dense_idx = dense.nonzero().squeeze(1)
-    dense_row = torch.full((t_count,), -1, dtype=torch.int32, device=device)
-    dense_row[dense_idx] = torch.arange(len(dense_idx), dtype=torch.int32, device=device)
+    plen = torch.clamp(lens, max=topk * BLOCK)
+    plen = torch.where((plen >= config.dense_prefix_min) & (config.dense_prefix_min > 0), plen, 0)
+    prefixes = [(s, int(p)) for (s, _), p in zip(bounds, plen) if p]
+    host = torch.cat([cu[:-1], lens, base, plen, kstart, cu[seq_of_kb + 1]]).to(device)
+    cu_d, lens_d, base_d, plen_d, kstart_d, kend_d = host.split([nseq, nseq, nseq, nseq, nkb, nkb])
 
-    ids = block_ids.long()
-    gid = torch.where((ids >= 0) & ~dense[:, None, None], ids + base[seq_of_token][:, None, None], -1)
-    flat = gid.reshape(-1)
-    ent = (flat >= 0).nonzero().squeeze(1)
-    key = (ent // topk) % hkv * nkb + flat[ent]
-    key, perm = torch.sort(key, stable=True)  # stable: tokens stay ascending inside a block's list
-    entries = ent[perm]
-    counts = torch.bincount(key, minlength=hkv * nkb)
+    seq = torch.repeat_interleave(torch.arange(nseq, device=device), lens_d, output_size=t_count)
+    pos = torch.arange(t_count, device=device) - cu_d[seq]
+    dense = pos < plen_d[seq]
+    ids = block_ids.to(torch.int32)
+    gid = torch.where((ids >= 0) & ~dense[:, None, None], ids + base_d[seq].to(torch.int32)[:, None, None], -1)
+    big = hkv * nkb  # sorts after every real key
+    head_base = (torch.arange(hkv, device=device, dtype=torch.int32) * nkb)[None, :, None]
+    key, entries = torch.sort(torch.where(gid >= 0, head_base + gid, big).view(-1), stable=True)  # tokens ascending
+    bounds_k = torch.searchsorted(key, torch.arange(big + 1, device=device, dtype=torch.int32))
+    counts = bounds_k[1:] - bounds_k[:-1]
     per_key = (counts + config.item_tokens - 1) // config.item_tokens
-    item_key = torch.repeat_interleave(torch.arange(hkv * nkb, device=device), per_key)
-    key_item0 = torch.cumsum(per_key, 0) - per_key
-    ends = torch.cumsum(counts, 0)
-    j = torch.arange(len(item_key), device=device) - key_item0[item_key]
-    lo = ends[item_key] - counts[item_key] + j * config.item_tokens
-    hi = torch.minimum(lo + config.item_tokens, ends[item_key])
+    key_item0 = F.pad(torch.cumsum(per_key, 0), (1, 0))
+    n_items = int(key_item0[-1])  # the one sync
+    item_key = torch.repeat_interleave(torch.arange(big, device=device), per_key, output_size=n_items)
+    lo = bounds_k[item_key] + (torch.arange(n_items, device=device) - key_item0[item_key]) * config.item_tokens
+    hi = torch.minimum(lo + config.item_tokens, bounds_k[item_key + 1])
     if config.order == "token":
-        order = torch.sort(entries[lo] // (hkv * topk), stable=True).indices if len(lo) else lo
+        order = torch.sort(entries[lo] // (hkv * topk), stable=True).indices
     else:
         order = torch.sort(hi - lo, descending=True, stable=True).indices
+    dense_row = torch.full((t_count,), -1, dtype=torch.int32, device=device)
+    dense_idx = torch.cat([torch.arange(s, s + p) for s, p in prefixes]).to(device) if prefixes else seq[:0]
+    if prefixes:
+        dense_row[dense_idx] = torch.arange(len(dense_idx), dtype=torch.int32, device=device)
     i32 = lambda x: x.to(torch.int32).contiguous()  # noqa: E731
-    return Plan(i32(entries), i32(item_key), i32(lo), i32(hi), i32(order),
-                i32(torch.cat([key_item0, key_item0.new_tensor([len(item_key)])])), i32(kstart),
-                i32(cu[seq_of_kb + 1]), i32(gid.view(t_count, hkv, topk)), dense_row, dense_idx, prefixes, nkb)
+    return Plan(i32(entries), i32(item_key), i32(lo), i32(hi), i32(order), i32(key_item0), i32(kstart_d),
+                i32(kend_d), gid.contiguous(), dense_row, dense_idx, prefixes, nkb)
 
 
 try:  # module-level jit functions: Triton's interpreter resolves callees from module globals

@@ -12,7 +12,8 @@ Each case reports the median (and min/max) over --repeats timed runs after --war
 - useful TFLOP/s: the attention FLOPs on the keys each query attends to (its selected blocks, causal; dense: every
   earlier key), 4*D per (query head, key) forward and 3.5x that forward+backward (2 + 5 matmuls), over the time;
 - --sweep LENGTHS: block-outer tile/launch variants (rl.msa_block_outer.Config) timed fwd (forward fields) or
-  fwd+bwd (backward fields) at those lengths, single sequence.
+  fwd+bwd (backward fields) at those lengths, single sequence;
+- --profile LENGTHS: GPU time per kernel of one fwd+bwd (torch.profiler), single sequence.
 Index q/k are built so neighbouring queries mostly agree (a per-64-token topic plus noise), like real text.
 Prints one JSON document, "command" first, and a table last; --out also writes the JSON.
 """
@@ -32,12 +33,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from rl import msa  # noqa: E402
 
 # Config fields changed from rl.msa_block_outer.DEFAULT: SWEEP_FWD timed forward only, SWEEP_BWD forward+backward.
-SWEEP_FWD = [dict(), dict(fwd_warps=4), dict(fwd_rows=64), dict(fwd_rows=64, fwd_warps=4), dict(fwd_stages=3),
-             dict(fwd_stages=1), dict(part_dtype="fp32"), dict(order="token"), dict(row_tile=128)]
-SWEEP_BWD = [dict(), dict(bwd_rows=32), dict(bwd_rows=128), dict(bwd_warps=4), dict(bwd_stages=1),
-             dict(bwd_stages=3), dict(bwd_keys=64, bwd_warps=4), dict(bwd_keys=64), dict(bwd_keys=64, bwd_rows=128),
-             dict(dq="atomic"), dict(part_dtype="fp32"), dict(item_tokens=256), dict(item_tokens=2048),
-             dict(order="token"), dict(order="token", item_tokens=128), dict(dense_prefix_min=0)]
+SWEEP_FWD = [dict(), dict(fwd_stages=3), dict(fwd_stages=1), dict(fwd_rows=32), dict(fwd_rows=128),
+             dict(fwd_warps=8), dict(order="size"), dict(row_tile=128), dict(item_tokens=256)]
+SWEEP_BWD = [dict(), dict(bwd_stages=3), dict(bwd_rows=128), dict(bwd_rows=128, bwd_stages=3), dict(bwd_rows=32),
+             dict(order="size"), dict(item_tokens=256), dict(item_tokens=1024), dict(dq="atomic"),
+             dict(dense_prefix_min=1024)]
 
 
 def parse_args():
@@ -58,6 +58,7 @@ def parse_args():
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--no-sdpa", action="store_true", help="skip the dense baseline")
     p.add_argument("--sweep", default="", help="lengths at which to time block-outer variants, comma separated")
+    p.add_argument("--profile", default="", help="lengths at which to list fwd+bwd kernel times (torch.profiler)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="also write the JSON here")
@@ -194,6 +195,32 @@ def sweep(total, args, device, dtype, gen):
     return rows
 
 
+def profile(total, args, device, dtype, gen):
+    """GPU time per kernel of one fwd+bwd (mean of 3), single sequence: where the time goes."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    _, cu, index_q, index_k, q, k, v = make_case(total, 1, args, device, dtype, gen)
+    ids = msa.select_blocks(index_q, index_k, cu, args.topk, args.init_blocks, args.local_blocks)
+    grad_out = torch.randn(total, args.hq, args.dim, device=device, dtype=dtype)
+
+    def fn():
+        out = msa.sparse_attention(q, k, v, ids, cu, impl=args.impl, validate=False)
+        torch.autograd.grad(out, (q, k, v), grad_out)
+    fn()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        ms = (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)) / 1e3 / 3
+        if ms > 0:
+            rows.append({"kernel": e.key[:90], "ms": ms, "calls": e.count / 3})
+    rows.sort(key=lambda r: -r["ms"])
+    return {"tokens": total, "kernels_ms_total": sum(r["ms"] for r in rows), "kernels": rows[:25]}
+
+
 def table(report):
     lines = ["tokens seqs | select plan | msa fwd  fwd+bwd (TFLOP/s fwd, f+b) | sdpa fwd  fwd+bwd (TFLOP/s) | ratio"
              + "".join(f" | {c} f+b" for c in report["config"]["compare"].split(",") if c)]
@@ -210,6 +237,9 @@ def table(report):
         lines.append(line)
     for s in report.get("sweep", []):
         lines.append(" ".join(f"{k}={v}" for k, v in s.items() if k not in ("min_ms", "max_ms")))
+    for p in report.get("profile", []):
+        lines.append(f"profile {p['tokens']}: kernels {p['kernels_ms_total']:.2f} ms per fwd+bwd")
+        lines += [f"  {r['ms']:7.3f} ms {r['calls']:5.1f}x {r['kernel']}" for r in p["kernels"][:12]]
     return "\n".join(lines)
 
 
@@ -233,6 +263,11 @@ def main():
             print(json.dumps(report["results"][-1]), file=sys.stderr, flush=True)  # progress
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    for total in (int(x) for x in args.profile.split(",") if x):
+        try:
+            report.setdefault("profile", []).append(profile(total, args, device, dtype, gen))
+        except Exception as exc:  # noqa: BLE001 (the timings above stand without it)
+            report["profile_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     text = json.dumps(report, indent=2)
     print(text)
     print(table(report))

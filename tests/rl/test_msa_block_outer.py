@@ -84,8 +84,8 @@ def test_plan_groups_every_selection_once():
     cu, ids, *_ = _inputs([700, 300], 4, 2, 16, 3, 1, 1, seed=3)
     plan = mbo.build_plan(ids, cu, mbo.Config(item_tokens=16, dense_prefix_min=128))
     t_count, hkv, topk = ids.shape
-    ent = plan.entries.long()
-    assert len(set(ent.tolist())) == len(ent) == int((plan.slot_gid >= 0).sum())
+    ent = torch.cat([plan.entries[lo:hi] for lo, hi in zip(plan.item_lo.tolist(), plan.item_hi.tolist())]).long()
+    assert sorted(ent.tolist()) == (plan.slot_gid.view(-1) >= 0).nonzero().squeeze(1).tolist()
     key = plan.item_key.long().repeat_interleave((plan.item_hi - plan.item_lo).long())
     assert torch.equal(key, (ent // topk) % hkv * plan.nkb + plan.slot_gid.view(-1)[ent].long())
     assert (plan.item_hi - plan.item_lo).max() <= 16
@@ -103,14 +103,15 @@ def _rel(a, b):
     return float((a - b).abs().max() / b.abs().max()), float((a - b).norm() / b.norm())
 
 
-GPU_CASES = {  # id -> (lengths, init blocks, config overrides)
+GPU_CASES = {  # id -> (lengths, init blocks, config overrides); {} = the default dispatch (rl.msa, impl auto)
     "4k": ([4096], 0, {}),
-    "packed": ([1000, 3000, 96, 2100], 0, {}),
+    "packed_padding": ([1000, 3000, 96, 2100], 0, {}),  # sequences < 2048 tokens: -1 padded slots
     "32k": ([32768], 0, {}),
-    "padding_no_prefix": ([1500, 2600], 0, {"dense_prefix_min": 0}),
+    "dense_prefix_sdpa": ([4096, 1500, 2600], 0, {"dense_prefix_min": 1024}),
     "forced_init": ([6000, 2500], 2, {}),
     "fp32_parts_atomic_dq": ([5000], 1, {"part_dtype": "fp32", "dq": "atomic"}),
-    "half_blocks": ([5000], 0, {"bwd_keys": 64, "bwd_warps": 4}),
+    "half_blocks_size_order": ([5000], 0, {"bwd_keys": 64, "bwd_warps": 4, "order": "size", "fwd_rows": 128,
+                                           "fwd_warps": 8}),
 }
 
 
