@@ -109,7 +109,7 @@ def build_plan(block_ids: torch.Tensor, cu_seqlens, config: Config = DEFAULT) ->
     gid = torch.where((ids >= 0) & ~dense[:, None, None], ids + base_d[seq].to(torch.int32)[:, None, None], -1)
     big = hkv * nkb  # sorts after every real key
     head_base = (torch.arange(hkv, device=device, dtype=torch.int32) * nkb)[None, :, None]
-    key, entries = torch.sort(torch.where(gid >= 0, head_base + gid, big).view(-1), stable=True)  # tokens ascending
+    key, entries = torch.sort(torch.where(gid >= 0, head_base + gid, big).reshape(-1), stable=True)  # by token
     bounds_k = torch.searchsorted(key, torch.arange(big + 1, device=device, dtype=torch.int32))
     counts = bounds_k[1:] - bounds_k[:-1]
     per_key = (counts + config.item_tokens - 1) // config.item_tokens

@@ -27,6 +27,7 @@ def _inputs(lengths, hq, hkv, dim, topk, init, local, seed, device="cpu", dtype=
     iq, ik = torch.randn(total, hkv, index_dim, generator=g), torch.randn(total, index_dim, generator=g)
     ids = msa.select_blocks(iq.to(device), ik.to(device), cu, topk, init, local)
     msa.validate_block_ids(ids, cu, num_heads=hkv, topk=topk, init_blocks=init, local_blocks=local)
+    ids = ids.transpose(0, 1).contiguous().transpose(0, 1)  # strided as the CUDA selection returns them
     q, k, v = (torch.randn(total, h, dim, generator=g).to(device, dtype).requires_grad_() for h in (hq, hkv, hkv))
     go = torch.randn(total, hq, dim, generator=g).to(device, dtype)
     return cu, ids, q, k, v, go
