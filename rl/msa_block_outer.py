@@ -37,10 +37,10 @@ BLOCK = 128  # MSA block = keys per program
 class Config:
     """Tile shapes and launch parameters (scripts/bench_msa.py --sweep times alternatives)."""
 
-    # Defaults from results/gpu/run12's sweep at 32K and 4K tokens (64 q / 4 KV heads, d 128, top-16).
+    # Defaults from the sweeps of results/gpu/run12 and run12c (64 q / 4 KV heads, d 128, top-16; 4K, 32K, 64K).
     fwd_rows: int = 64  # rows per forward tile: rows // G tokens x their G query heads (4 tokens for M3)
     fwd_warps: int = 4
-    fwd_stages: int = 2
+    fwd_stages: int = 3  # run12c, fwd: 11.5 vs 12.0 ms (2 stages) at 32K, 21.4 vs 22.6 at 64K
     bwd_rows: int = 64
     bwd_keys: int = 128  # keys per backward program (64: two programs per item, half the dK/dV registers)
     bwd_warps: int = 8
@@ -51,7 +51,7 @@ class Config:
     # Prefix tokens per sequence from which SDPA takes the dense prefix; 0 = never. Off: the kernels take those
     # tokens for less than SDPA plus gathering them (run12 sweep: 33.6 vs 34.9 ms at 32K, 5.1 vs 5.5 ms at 4K).
     dense_prefix_min: int = 0
-    row_tile: int = 64  # rows per program of the row-wise kernels (merge, delta, dQ sum)
+    row_tile: int = 128  # rows per program of the row-wise kernels (merge, delta, dQ sum)
     order: str = "token"  # launch order of work items: "size" (largest first) or "token" (by first token: programs
     # running together read the same tokens' q/dO, which may then come from L2)
 
