@@ -391,23 +391,34 @@ class _BlockOuter(torch.autograd.Function):
         return dq, dk, dv, d_dense, None, None, None
 
 
-def _dense_prefix(q, k, v, plan: Plan, scale: float):
-    """Causal attention of each dense prefix (SDPA; FlashAttention on CUDA), rows in `plan.dense_idx` order."""
-    if not plan.prefixes:
-        return None
-    idx = plan.dense_idx
-    qp, kp, vp = (x.index_select(0, idx) for x in (q, k, v))  # one gather: its backward is one scatter
-    outs, off = [], 0
-    for _, length in plan.prefixes:
-        qs, ks, vs = (x[off:off + length].transpose(0, 1)[None] for x in (qp, kp, vp))
+def _causal_sdpa(q, k, v, spans, scale: float):
+    """Causal attention of each span [(start, length)] of q/k/v rows (SDPA; FlashAttention on CUDA), concatenated."""
+    outs = []
+    for start, length in spans:
+        qs, ks, vs = (x[start:start + length].transpose(0, 1)[None] for x in (q, k, v))
         outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
                                                    enable_gqa=qs.shape[1] != ks.shape[1])[0].transpose(0, 1))
-        off += length
-    return torch.cat(outs)
+    return torch.cat(outs) if outs else q.new_empty(0, *q.shape[1:])
+
+
+def _dense_prefix(q, k, v, plan: Plan, scale: float):
+    """The dense prefixes' attention, rows in `plan.dense_idx` order."""
+    if not plan.prefixes:
+        return None
+    qp, kp, vp = (x.index_select(0, plan.dense_idx) for x in (q, k, v))  # one gather: its backward is one scatter
+    offsets = torch.tensor([0] + [n for _, n in plan.prefixes]).cumsum(0).tolist()
+    return _causal_sdpa(qp, kp, vp, [(o, n) for o, (_, n) in zip(offsets, plan.prefixes)], scale)
 
 
 def sparse_attention(q, k, v, block_ids, cu_seqlens, scale: float, config: Config = DEFAULT) -> torch.Tensor:
     """`rl.msa.sparse_attention` semantics (validated ids expected); differentiable in q, k, v."""
+    from rl import msa
+
+    bounds = msa.seq_bounds(cu_seqlens)
+    if all(e - s <= block_ids.shape[2] * BLOCK for s, e in bounds):
+        # Every query sees at most topk blocks and selects them all: the batch is plain causal attention per
+        # sequence, no kernels (packed batches of short sequences run as fast as dense, being dense)
+        return _causal_sdpa(q, k, v, [(s, e - s) for s, e in bounds if e > s], scale)
     if triton is None:
         raise RuntimeError("rl.msa_block_outer needs Triton (CUDA, or TRITON_INTERPRET=1 for tests)")
     plan = build_plan(block_ids, cu_seqlens, config)

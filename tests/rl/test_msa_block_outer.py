@@ -97,10 +97,23 @@ def test_plan_groups_every_selection_once():
             range(plan.item_key.numel()))
 
 
+def test_short_sequences_are_causal_sdpa():
+    """CPU, no Triton: a batch whose sequences all fit in topk blocks is dense causal attention (SDPA per sequence);
+    an empty sequence in the batch is skipped."""
+    from rl import msa, msa_block_outer as mbo
+
+    cu, ids, q, k, v, go = _inputs([250, 0, 256, 77], 4, 2, 16, 2, 0, 1, seed=4)
+    ref = msa.sparse_attention(q, k, v, ids, cu, impl="reference")
+    out = mbo.sparse_attention(q, k, v, ids, cu, 16 ** -0.5)
+    assert float((out - ref).detach().abs().max() / ref.detach().abs().max()) <= 1e-5
+    for a, b in zip(torch.autograd.grad(ref, (q, k, v), go), torch.autograd.grad(out, (q, k, v), go)):
+        assert float((a - b).abs().max() / a.abs().max()) <= 1e-5
+
+
 # --- GPU ---------------------------------------------------------------------------------------------------------
 
 def _rel(a, b):
-    a, b = a.float(), b.float()
+    a, b = a.detach().float(), b.detach().float()
     return float((a - b).abs().max() / b.abs().max()), float((a - b).norm() / b.norm())
 
 
@@ -109,6 +122,7 @@ GPU_CASES = {  # id -> (lengths, init blocks, config overrides); {} = the defaul
     "packed_padding": ([1000, 3000, 96, 2100], 0, {}),  # sequences < 2048 tokens: -1 padded slots
     "32k": ([32768], 0, {}),
     "dense_prefix_sdpa": ([4096, 1500, 2600], 0, {"dense_prefix_min": 1024}),
+    "all_short_sdpa": ([1000, 2048, 300, 744], 0, {}),  # every sequence <= 2048 tokens: SDPA per sequence
     "forced_init": ([6000, 2500], 2, {}),
     "fp32_parts_atomic_dq": ([5000], 1, {"part_dtype": "fp32", "dq": "atomic"}),
     "half_blocks_size_order": ([5000], 0, {"bwd_keys": 64, "bwd_warps": 4, "order": "size", "fwd_rows": 128,
