@@ -1,22 +1,25 @@
-"""Time MSA (rl.model.msa) forward+backward against dense causal SDPA, one sequence per length.
+"""Time MSA (rl.model.msa) forward and forward+backward against dense causal SDPA, single and packed sequences, one run.
 
-    python scripts/bench_msa.py                                   # 4K/16K/32K/64K, 64 q / 4 KV heads, d=128, bf16
-    python scripts/bench_msa.py --lengths 4096 --packed 4 --repeats 5 --out results/msa.json
+    python scripts/bench_msa.py                      # 4K-64K, 1 and 4 sequences, 64 q / 4 KV heads, d=128, bf16
+    python scripts/bench_msa.py --lengths 32768 --packed 1 --compare triton --sweep 32768 --out results/msa.json
 
 Each case reports the median (and min/max) over --repeats timed runs after --warmup runs, with CUDA events:
 - select: `select_blocks` (no grad), index heads = KV heads, top-k of the visible blocks;
-- msa_fwd / msa_fwd_bwd: `sparse_attention` (its index tables / block mask built inside, validation off), backward
-  w.r.t. q, k, v; --impl triton (rl.model.msa_triton, the default), flex or reference;
-- sdpa_fwd / sdpa_fwd_bwd: `scaled_dot_product_attention(is_causal=True, enable_gqa=True)` on the same q, k, v;
-- tiles (flex): KV tiles listed per Q tile in the BlockMask (the union of the 128 queries' selections; top-k is the
-  floor); union (triton): key blocks each group of tokens visits (union of its tokens' selections);
-- peak memory of the MSA and SDPA fwd+bwd.
-Index q/k are built so neighbouring queries mostly agree (a per-64-token topic plus noise), like real text; fully
-random ones would make every Q tile's union approach the whole prefix.
-Prints one JSON document, "command" first; --out also writes it.
+- msa_fwd / msa_fwd_bwd: `sparse_attention` with --impl (block: rl.model.msa_block_outer, the default; triton: the per-token
+  kernels; flex; reference), its index tables built inside, validation off, backward w.r.t. q, k, v;
+  --compare IMPL,... adds fwd and fwd+bwd of other implementations on the same inputs;
+- sdpa_fwd / sdpa_fwd_bwd: `scaled_dot_product_attention(is_causal=True, enable_gqa=True)` per sequence;
+- useful TFLOP/s: the attention FLOPs on the keys each query attends to (its selected blocks, causal; dense: every
+  earlier key), 4*D per (query head, key) forward and 3.5x that forward+backward (2 + 5 matmuls), over the time;
+- --sweep LENGTHS: block-outer tile/launch variants (rl.model.msa_block_outer.Config) timed fwd (forward fields) or
+  fwd+bwd (backward fields) at those lengths, single sequence;
+- --profile LENGTHS: GPU time per kernel of one fwd+bwd (torch.profiler), single sequence.
+Index q/k are built so neighbouring queries mostly agree (a per-64-token topic plus noise), like real text.
+Prints one JSON document, "command" first, and a table last; --out also writes the JSON.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -29,14 +32,18 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from rl.model import msa  # noqa: E402
 
-BLOCK_KEYS = msa.BLOCK
-SWEEP = [(1, 4, 3), (2, 4, 3), (2, 4, 4), (2, 8, 3), (4, 4, 3)]  # (tokens per group, warps, stages)
+# Config fields changed from rl.model.msa_block_outer.DEFAULT: SWEEP_FWD timed forward only, SWEEP_BWD forward+backward.
+SWEEP_FWD = [dict(), dict(fwd_stages=3), dict(fwd_stages=1), dict(fwd_rows=32), dict(fwd_rows=128),
+             dict(fwd_warps=8), dict(order="size"), dict(row_tile=128), dict(item_tokens=256)]
+SWEEP_BWD = [dict(), dict(bwd_stages=3), dict(bwd_rows=128), dict(bwd_rows=128, bwd_stages=3), dict(bwd_rows=32),
+             dict(order="size"), dict(item_tokens=256), dict(item_tokens=1024), dict(dq="atomic"),
+             dict(dense_prefix_min=1024)]
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--lengths", default="4096,16384,32768,65536", help="total tokens per case, comma separated")
-    p.add_argument("--packed", type=int, default=1, help="split each length into this many sequences")
+    p.add_argument("--lengths", default="4096,8192,16384,32768,65536", help="total tokens per case, comma separated")
+    p.add_argument("--packed", default="1,4", help="sequences per case (each length split evenly), comma separated")
     p.add_argument("--hq", type=int, default=64)
     p.add_argument("--hkv", type=int, default=4)
     p.add_argument("--dim", type=int, default=128)
@@ -45,12 +52,13 @@ def parse_args():
     p.add_argument("--init-blocks", type=int, default=0)
     p.add_argument("--local-blocks", type=int, default=1)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    p.add_argument("--impl", default="triton", choices=["triton", "flex", "reference"])
+    p.add_argument("--impl", default="block", choices=["block", "triton", "flex", "reference"])
+    p.add_argument("--compare", default="", help="other impls to time on the same inputs, comma separated")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--no-sdpa", action="store_true", help="skip the dense baseline")
-    p.add_argument("--sweep", action="store_true",
-                   help="triton: also time fwd+bwd for other tokens-per-group / num_warps / num_stages")
+    p.add_argument("--sweep", default="", help="lengths at which to time block-outer variants, comma separated")
+    p.add_argument("--profile", default="", help="lengths at which to list fwd+bwd kernel times (torch.profiler)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="also write the JSON here")
@@ -89,9 +97,9 @@ def peak_memory(fn, device):
     return (torch.cuda.max_memory_allocated() - base) / 2 ** 30
 
 
-def make_case(total, args, device, dtype, gen):
-    base, extra = divmod(total, args.packed)
-    lengths = [base + (i < extra) for i in range(args.packed)]
+def make_case(total, packed, args, device, dtype, gen):
+    base, extra = divmod(total, packed)
+    lengths = [base + (i < extra) for i in range(packed)]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     topic = torch.randn(total // 64 + 1, args.hkv, args.index_dim, generator=gen).repeat_interleave(64, 0)[:total]
     index_q = (topic + 0.5 * torch.randn(total, args.hkv, args.index_dim, generator=gen)).to(device)
@@ -101,64 +109,46 @@ def make_case(total, args, device, dtype, gen):
     return lengths, cu, index_q, index_k, q, k, v
 
 
-def bench_length(total, args, device, dtype, gen):
-    lengths, cu, index_q, index_k, q, k, v = make_case(total, args, device, dtype, gen)
+def useful_tflop(ids, cu, hq, dim):
+    """(sparse, dense causal) forward TFLOP: 4*D per (query head, attended key)."""
+    pos = msa.token_positions(cu, ids.device)[:, None, None]
+    keys = torch.where(ids.long() == pos // msa.BLOCK, pos % msa.BLOCK + 1, msa.BLOCK) * (ids >= 0)
+    g = hq // ids.shape[1]
+    return 4 * dim * g * float(keys.sum()) / 1e12, 4 * dim * hq * float((pos + 1).sum()) / 1e12
+
+
+def bench_case(total, packed, args, device, dtype, gen):
+    lengths, cu, index_q, index_k, q, k, v = make_case(total, packed, args, device, dtype, gen)
     select = lambda: msa.select_blocks(index_q, index_k, cu, args.topk, args.init_blocks, args.local_blocks)  # noqa
     ids = select()
     msa.validate_block_ids(ids, cu, init_blocks=args.init_blocks, local_blocks=args.local_blocks)
     grad_out = torch.randn(total, args.hq, args.dim, device=device, dtype=dtype)
-    row = {"tokens": total, "lengths": lengths}
+    row = {"tokens": total, "sequences": packed, "lengths": lengths}
     row["select"] = timed(select, args.warmup, args.repeats, device)
+    sparse_tf, dense_tf = useful_tflop(ids, cu, args.hq, args.dim)
+    row["useful_tflop_fwd"] = {"msa": sparse_tf, "dense": dense_tf}
+    if args.impl == "block":
+        from rl.model import msa_block_outer
 
-    if args.impl == "flex":
-        block_mask, _ = msa.build_block_mask(ids, cu)
-        listed = (block_mask.kv_num_blocks + block_mask.full_kv_num_blocks).float()
-        row["tiles"] = {"mean_per_q_tile": listed.mean().item(), "max_per_q_tile": listed.max().item(),
-                        "full_fraction": (block_mask.full_kv_num_blocks.sum() / listed.sum()).item(),
-                        "topk": args.topk}
-        row["block_mask"] = timed(lambda: msa.build_block_mask(ids, cu), args.warmup, args.repeats, device)
+        row["plan"] = timed(lambda: msa_block_outer.build_plan(ids, cu), args.warmup, args.repeats, device)
 
-    if args.impl == "triton":
-        from rl.model import msa_triton
+    def run_msa(impl, backward, **kw):
+        def fn():
+            with torch.set_grad_enabled(backward):
+                out = msa.sparse_attention(q, k, v, ids, cu, impl=impl, validate=False, **kw)
+                if backward:
+                    torch.autograd.grad(out, (q, k, v), grad_out)
+        return fn
 
-        plan = msa_triton.build_plan(ids, cu, max(1, min(8, 16 // (args.hq // args.hkv))))  # msa_triton's default
-        row["union"] = {"mean_per_group": plan.count.float().mean().item(), "max_per_group": int(plan.count.max()),
-                        "tokens_per_group": plan.tokens_per_group, "topk": args.topk,
-                        "dkdv_programs": plan.chunk_kb.numel()}
-        row["plan"] = timed(lambda: msa_triton.build_plan(ids, cu, plan.tokens_per_group), args.warmup, args.repeats,
-                            device)
-        # QK^T and PV over 128-key blocks: selected (at most topk per query) vs visited (the group's union)
-        per_block = 4 * total * args.hq * args.dim * BLOCK_KEYS / 1e12
-        row["tflop_fwd_selected_max"] = per_block * args.topk
-        row["tflop_fwd_computed"] = per_block * row["union"]["mean_per_group"]
-
-    def msa_fwd():
-        with torch.no_grad():
-            msa.sparse_attention(q, k, v, ids, cu, impl=args.impl, validate=False)
-
-    def msa_fwd_bwd():
-        out = msa.sparse_attention(q, k, v, ids, cu, impl=args.impl, validate=False)
-        torch.autograd.grad(out, (q, k, v), grad_out)
-
-    if args.impl == "triton" and args.sweep:
-        row["sweep"] = []
-        for tt, warps, stages in SWEEP:
-            def variant():
-                out = msa_triton.sparse_attention(q, k, v, ids, cu, args.dim ** -0.5, tokens_per_group=tt,
-                                                  num_warps=warps, num_stages=stages)
-                torch.autograd.grad(out, (q, k, v), grad_out)
-            try:
-                t = timed(variant, 1, args.repeats, device)
-            except Exception as exc:  # noqa: BLE001 (a config that does not fit is a result too)
-                t = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
-            row["sweep"].append({"tokens_per_group": tt, "num_warps": warps, "num_stages": stages, **t})
-
-    row["msa_fwd"] = timed(msa_fwd, args.warmup, args.repeats, device)
-    row["msa_fwd_bwd"] = timed(msa_fwd_bwd, args.warmup, args.repeats, device)
-    row["msa_peak_gib"] = peak_memory(msa_fwd_bwd, device)
+    for impl in [args.impl] + [c for c in args.compare.split(",") if c and c != args.impl]:
+        key = "msa" if impl == args.impl else impl
+        row[f"{key}_fwd"] = timed(run_msa(impl, False), args.warmup, args.repeats, device)
+        row[f"{key}_fwd_bwd"] = timed(run_msa(impl, True), args.warmup, args.repeats, device)
+        row[f"{key}_peak_gib"] = peak_memory(run_msa(impl, True), device)
+    for name, fl in (("fwd", sparse_tf), ("fwd_bwd", 3.5 * sparse_tf)):
+        row[f"msa_{name}_tflops"] = fl / row[f"msa_{name}"]["median_ms"] * 1e3
 
     if not args.no_sdpa:
-        # Dense baseline on the same tokens; packed cases run one causal SDPA per sequence.
         bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
 
         def sdpa():
@@ -173,14 +163,84 @@ def bench_length(total, args, device, dtype, gen):
             with torch.no_grad():
                 sdpa()
 
-        def sdpa_fwd_bwd():
-            torch.autograd.grad(sdpa(), (q, k, v), grad_out)
-
         row["sdpa_fwd"] = timed(sdpa_fwd, args.warmup, args.repeats, device)
-        row["sdpa_fwd_bwd"] = timed(sdpa_fwd_bwd, args.warmup, args.repeats, device)
-        row["sdpa_peak_gib"] = peak_memory(sdpa_fwd_bwd, device)
+        row["sdpa_fwd_bwd"] = timed(lambda: torch.autograd.grad(sdpa(), (q, k, v), grad_out), args.warmup,
+                                    args.repeats, device)
+        row["sdpa_fwd_bwd_tflops"] = 3.5 * dense_tf / row["sdpa_fwd_bwd"]["median_ms"] * 1e3
         row["msa_over_sdpa_fwd_bwd"] = row["msa_fwd_bwd"]["median_ms"] / row["sdpa_fwd_bwd"]["median_ms"]
     return row
+
+
+def sweep(total, args, device, dtype, gen):
+    from rl.model import msa_block_outer as mbo
+
+    _, cu, index_q, index_k, q, k, v = make_case(total, 1, args, device, dtype, gen)
+    ids = msa.select_blocks(index_q, index_k, cu, args.topk, args.init_blocks, args.local_blocks)
+    grad_out = torch.randn(total, args.hq, args.dim, device=device, dtype=dtype)
+    rows = []
+    for fields, forward_only in [(f, True) for f in SWEEP_FWD] + [(f, False) for f in SWEEP_BWD]:
+        cfg = dataclasses.replace(mbo.DEFAULT, **fields)
+
+        def fn():
+            with torch.set_grad_enabled(not forward_only):
+                out = mbo.sparse_attention(q, k, v, ids, cu, args.dim ** -0.5, cfg)
+                if not forward_only:
+                    torch.autograd.grad(out, (q, k, v), grad_out)
+        try:
+            t = timed(fn, 1, args.repeats, device)
+        except Exception as exc:  # noqa: BLE001 (a config that does not compile or fit is a result too)
+            t = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        rows.append({"tokens": total, "timed": "fwd" if forward_only else "fwd_bwd", **fields, **t})
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+def profile(total, args, device, dtype, gen):
+    """GPU time per kernel of one fwd+bwd (mean of 3), single sequence: where the time goes."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    _, cu, index_q, index_k, q, k, v = make_case(total, 1, args, device, dtype, gen)
+    ids = msa.select_blocks(index_q, index_k, cu, args.topk, args.init_blocks, args.local_blocks)
+    grad_out = torch.randn(total, args.hq, args.dim, device=device, dtype=dtype)
+
+    def fn():
+        out = msa.sparse_attention(q, k, v, ids, cu, impl=args.impl, validate=False)
+        torch.autograd.grad(out, (q, k, v), grad_out)
+    fn()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        ms = (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)) / 1e3 / 3
+        if ms > 0:
+            rows.append({"kernel": e.key[:90], "ms": ms, "calls": e.count / 3})
+    rows.sort(key=lambda r: -r["ms"])
+    return {"tokens": total, "kernels_ms_total": sum(r["ms"] for r in rows), "kernels": rows[:25]}
+
+
+def table(report):
+    lines = ["tokens seqs | select plan | msa fwd  fwd+bwd (TFLOP/s fwd, f+b) | sdpa fwd  fwd+bwd (TFLOP/s) | ratio"
+             + "".join(f" | {c} f+b" for c in report["config"]["compare"].split(",") if c)]
+    for r in report["results"]:
+        line = (f"{r['tokens']:6d} {r['sequences']:4d} | {r['select']['median_ms']:6.2f} "
+                f"{r.get('plan', {}).get('median_ms', float('nan')):5.2f} | {r['msa_fwd']['median_ms']:7.2f} "
+                f"{r['msa_fwd_bwd']['median_ms']:8.2f} ({r['msa_fwd_tflops']:4.0f}, {r['msa_fwd_bwd_tflops']:4.0f})")
+        if "sdpa_fwd" in r:
+            line += (f" | {r['sdpa_fwd']['median_ms']:7.2f} {r['sdpa_fwd_bwd']['median_ms']:8.2f} "
+                     f"({r['sdpa_fwd_bwd_tflops']:4.0f}) | {r['msa_over_sdpa_fwd_bwd']:.2f}")
+        for c in (c for c in report["config"]["compare"].split(",") if c):
+            if f"{c}_fwd_bwd" in r:
+                line += f" | {r[f'{c}_fwd_bwd']['median_ms']:8.2f}"
+        lines.append(line)
+    for s in report.get("sweep", []):
+        lines.append(" ".join(f"{k}={v}" for k, v in s.items() if k not in ("min_ms", "max_ms")))
+    for p in report.get("profile", []):
+        lines.append(f"profile {p['tokens']}: kernels {p['kernels_ms_total']:.2f} ms per fwd+bwd")
+        lines += [f"  {r['ms']:7.3f} ms {r['calls']:5.1f}x {r['kernel']}" for r in p["kernels"][:12]]
+    return "\n".join(lines)
 
 
 def main():
@@ -195,13 +255,22 @@ def main():
         "results": [],
     }
     gen = torch.Generator().manual_seed(args.seed)
-    for total in (int(x) for x in args.lengths.split(",")):
-        report["results"].append(bench_length(total, args, device, dtype, gen))
-        print(json.dumps(report["results"][-1]), file=sys.stderr, flush=True)  # progress
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    if args.sweep:
+        report["sweep"] = [r for total in args.sweep.split(",") for r in sweep(int(total), args, device, dtype, gen)]
+    for packed in (int(x) for x in args.packed.split(",")):
+        for total in (int(x) for x in args.lengths.split(",")):
+            report["results"].append(bench_case(total, packed, args, device, dtype, gen))
+            print(json.dumps(report["results"][-1]), file=sys.stderr, flush=True)  # progress
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    for total in (int(x) for x in args.profile.split(",") if x):
+        try:
+            report.setdefault("profile", []).append(profile(total, args, device, dtype, gen))
+        except Exception as exc:  # noqa: BLE001 (the timings above stand without it)
+            report["profile_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     text = json.dumps(report, indent=2)
     print(text)
+    print(table(report))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

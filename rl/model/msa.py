@@ -18,7 +18,6 @@ replays the engine's ids (`validate_block_ids` first), and differentiates `spars
 from __future__ import annotations
 
 import functools
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -26,28 +25,10 @@ import torch.utils.checkpoint
 
 from m3.ops import FORCED_INIT_SCORE, FORCED_LOCAL_SCORE, NAN_SCORE
 from m3.ops import MSA_BLOCK as BLOCK  # also the FlexAttention tile size below
+from rl.model.packed import seq_bounds, token_positions
 # Transient fp32 score memory per chunk. Both chunked loops are exact: chunking only splits independent queries.
 SELECT_CHUNK_BYTES = 512 << 20
 REFERENCE_CHUNK_BYTES = 512 << 20
-
-
-# --- packing -----------------------------------------------------------------------------------------------------
-
-def seq_bounds(cu_seqlens: torch.Tensor | Sequence[int]) -> list[tuple[int, int]]:
-    """[(start, end)] per sequence, after checking that cu_seqlens is a non-decreasing offset list from 0."""
-    cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else [int(c) for c in cu_seqlens]
-    if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens must be non-decreasing offsets starting at 0 with >= 2 entries, got {cu}")
-    return list(zip(cu[:-1], cu[1:]))
-
-
-def token_positions(cu_seqlens, device=None) -> torch.Tensor:
-    """Position of every packed token inside its own sequence (int64 [T])."""
-    bounds = seq_bounds(cu_seqlens)
-    total = bounds[-1][1]
-    lens = torch.tensor([e - s for s, e in bounds], device=device)
-    starts = torch.tensor([s for s, _ in bounds], device=device)
-    return torch.arange(total, device=device) - starts.repeat_interleave(lens, output_size=total)
 
 
 # --- selection ---------------------------------------------------------------------------------------------------
@@ -209,9 +190,10 @@ def sparse_attention(
 
     q [T, Hq, D]; k, v [T, Hkv, D]; block_ids [T, Hkv, topk] per-sequence block ids (-1 = empty);
     scale defaults to D**-0.5. Query head h reads KV head h // (Hq // Hkv) and that head's blocks.
-    impl: "reference" (chunked dense masked attention, exact, any device), "triton" (rl.model.msa_triton: per-token
-    block-sparse kernels, CUDA bf16/fp16), "flex" (FlexAttention with a BlockMask, CUDA; forward only on CPU),
-    "auto" (triton on CUDA in bf16/fp16, flex on CUDA in fp32, reference elsewhere).
+    impl: "reference" (chunked dense masked attention, exact, any device), "block" (rl.model.msa_block_outer: KV-block-
+    outer kernels, CUDA bf16/fp16), "triton" (rl.model.msa_triton: per-token block-sparse kernels, CUDA bf16/fp16), "flex"
+    (FlexAttention with a BlockMask, CUDA; forward only on CPU), "auto" (block on CUDA in bf16/fp16, flex on CUDA in
+    fp32, reference elsewhere).
     Returns [T, Hq, D] in q's dtype.
     """
     t_count, hq, dim = q.shape
@@ -222,16 +204,21 @@ def sparse_attention(
         validate_block_ids(block_ids, cu_seqlens, num_heads=k.shape[1])
     scale = dim ** -0.5 if scale is None else scale
     if impl == "auto":  # the Triton kernels are measured and tested in bf16 (fp32 tiles exceed shared memory)
-        impl = ("triton" if q.dtype != torch.float32 else "flex") if q.is_cuda else "reference"
+        # block-outer beats the per-token kernels at every length measured, 4K-64K (results/gpu/issue18_targets.json)
+        impl = ("block" if q.dtype != torch.float32 else "flex") if q.is_cuda else "reference"
     if impl == "reference":
         return _reference_attention(q, k, v, block_ids, cu_seqlens, scale, chunk_size)
+    if impl == "block":
+        from rl.model import msa_block_outer  # imports Triton: only on this path
+
+        return msa_block_outer.sparse_attention(q, k, v, block_ids, cu_seqlens, scale)
     if impl == "triton":
         from rl.model import msa_triton  # imports Triton: only on this path
 
         return msa_triton.sparse_attention(q, k, v, block_ids, cu_seqlens, scale)
     if impl == "flex":
         return _flex_attention(q, k, v, block_ids, cu_seqlens, scale, kernel_options)
-    raise ValueError(f"impl must be 'reference', 'triton', 'flex' or 'auto', got {impl!r}")
+    raise ValueError(f"impl must be 'reference', 'block', 'triton', 'flex' or 'auto', got {impl!r}")
 
 
 def _reference_attention(q, k, v, block_ids, cu_seqlens, scale, chunk_size):

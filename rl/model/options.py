@@ -32,7 +32,8 @@ class IndexerKVDType(StrEnum):
 class AttentionImpl(StrEnum):  # MSA (rl/model/msa.py)
     auto = "auto"
     reference = "reference"
-    triton = "triton"
+    block = "block"  # KV-block-outer Triton kernels (rl/model/msa_block_outer.py), what auto picks on CUDA
+    triton = "triton"  # per-token Triton kernels (rl/model/msa_triton.py)
     flex = "flex"
 
 

@@ -24,6 +24,7 @@ from quant.kv_cache import nvfp4_kv_qdq
 from rl.model import msa
 from rl.model.lora import ExpertLoRA, LoRAConfig
 from rl.model.options import AttentionImpl, Base, DType, IndexerKVDType, KVCacheDType, MoEImpl, Profile, check_choice
+from rl.model.packed import token_positions
 from rl.model.quantized_base import BaseWeights
 from rl.model.routing_replay import route, routing_agreement, validate_replay
 from rollout.capture import DENSE_LAYER
@@ -38,7 +39,7 @@ class TrainerModelConfig:
     marlin_flush: bool = False  # zero subnormal NVFP4 block scales as vLLM's Marlin (GPU + LoRA) does
     kv_cache_dtype: str = "auto"  # "nvfp4": K/V QDQ as the engine's NVFP4 cache stores them
     indexer_kv_dtype: str = "bf16"  # "nvfp4": index keys QDQ likewise
-    attention_impl: str = "auto"  # MSA: "reference" (CPU), "triton" / "flex" (GPU), "auto"
+    attention_impl: str = "auto"  # MSA: "reference" (CPU), "block" / "triton" / "flex" (GPU), "auto"
     moe_impl: str = "auto"  # routed experts: "loop" (per expert), "grouped" (CUDA bf16: Triton NVFP4 / _grouped_mm)
     activation_checkpointing: bool = False  # recompute each decoder layer in backward (long sequences)
     moe_chunk_tokens: int = 0  # > 0: routed experts in token chunks, each recomputed in backward (less memory)
@@ -386,7 +387,7 @@ class M3ForTraining(nn.Module):
     def hidden_states(self, input_ids, cu_seqlens, routing=None, blocks=None, stats: ForwardStats | None = None):
         """Final hidden states [T, H]. routing: engine expert ids [T, num_layers, top_k] (None: own top-k);
         blocks: engine MSA block ids [T, num_sparse_layers, kv_heads, topk] (None: own selection)."""
-        positions = msa.token_positions(cu_seqlens, input_ids.device)
+        positions = token_positions(cu_seqlens, input_ids.device)
         if routing is not None:
             validate_replay(torch.as_tensor(routing), len(input_ids), len(self.model.layers),
                             self.config.num_experts_per_tok,

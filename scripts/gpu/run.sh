@@ -2,12 +2,16 @@
 # A parametrized GPU run through the device tool, from the repo root (or a copy of it) with .whl carried:
 #   bash scripts/gpu/run.sh STEP...        (results land in $OUT, else results/gpu/run/)
 # STEPs, each logged to $OUT/<name>.log with its exit code and seconds in $OUT/summary.log:
-#   tests                 pytest -m gpu: tests/quant/test_kernels_gpu.py + tests/rl/model/test_trainer_gpu.py
+#   tests                 pytest -m gpu: the quant kernels, CUDA == CPU quant forms (tests/quant/test_kernels_gpu.py,
+#                         test_cuda_matches_cpu.py) and the trainer fast-paths test (tests/rl/model/test_trainer_gpu.py)
 #   bench_expert          scripts/bench_expert_gemm.py: NVFP4 kernel vs decode+cuBLAS vs bf16 _grouped_mm at
 #                         64..32768 tokens, grouped expert LoRA vs the per-expert loop at 65,536 tokens
 #   bench_mxfp8           scripts/bench_mxfp8_linear.py --trainer (the trainer's projection shapes, 4 and 8 x 16K)
 #   slice:L:S:BASE[:P[:C]]  scripts/train_step_m3.py at M3 width: L layers, S x 16K tokens, BASE quantized|bf16,
 #                         activation checkpointing on, MoE chunks of C tokens (default 16384); P=1: the time split
+#   msa_tests             pytest -m gpu: the MSA kernels (block-outer, per-token, flex) and the trainer fast-paths test
+#   bench_msa[:ARGS]      scripts/bench_msa.py (4K-64K, 1 and 4 sequences, vs dense SDPA) with extra ARGS, '+' for
+#                         spaces (e.g. bench_msa:--compare+triton+--sweep+32768); JSON to $OUT/bench_msa.json
 # The device tool returns at most 8 files: logs go into logs.tgz, and the JSON results into results.tgz when
 # there are more than 6 of them. The last lines printed are the summary (tokens/s, MFU, memory, time split).
 source "$(dirname "$0")/lib.sh"
@@ -17,7 +21,8 @@ for step in "$@"; do
   if (( BUDGET - SECONDS < 30 )); then echo "$step skipped: out of RUN_BUDGET_S" | tee -a "$OUT/summary.log"; continue; fi
   case "$step" in
     tests)
-      M3RL_GPU_REPORT="$OUT/trainer_gpu.json" run tests "$(lim 260)" $P tests/quant/test_kernels_gpu.py tests/rl/model/test_trainer_gpu.py ;;
+      M3RL_GPU_REPORT="$OUT/trainer_gpu.json" run tests "$(lim 300)" $P tests/quant/test_kernels_gpu.py \
+          tests/quant/test_cuda_matches_cpu.py tests/rl/model/test_trainer_gpu.py ;;
     bench_expert)
       run bench_expert "$(lim 220)" python3 scripts/bench_expert_gemm.py --lora-loop --out "$OUT/bench_expert.json" ;;
     bench_mxfp8)
@@ -29,6 +34,12 @@ for step in "$@"; do
       run "$name" "$(lim 240)" torchrun --nproc-per-node 1 scripts/train_step_m3.py --layers "$layers" --seq-len 16384 \
           --seqs-per-rank "$seqs" --steps 2 --base "$base" --shard-base 0 --moe-chunk-tokens "$chunk" --profile "$p" \
           --out "$OUT/$name.json" ;;
+    msa_tests)
+      M3RL_GPU_REPORT="$OUT/trainer_gpu.json" run msa_tests "$(lim 300)" $P -s tests/rl/model/test_msa_block_outer.py \
+          tests/rl/model/test_msa_triton.py tests/rl/model/test_msa.py tests/rl/model/test_trainer_gpu.py ;;
+    bench_msa|bench_msa:*)
+      extra=${step#bench_msa}; extra=${extra#:}
+      run bench_msa "$(lim 420)" python3 scripts/bench_msa.py ${extra//+/ } --out "$OUT/bench_msa.json" ;;
     *) echo "unknown step $step" | tee -a "$OUT/summary.log" ;;
   esac
 done
@@ -44,6 +55,10 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
               "peak", round(r["peak_allocated_gb_max"], 1), "mem", {k: round(v, 1) for k, v in
                                                                    rk.get("memory_breakdown_gb", {}).items()},
               "split", rk.get("time_split"))
+    elif name == "bench_msa.json":
+        sys.path.insert(0, "scripts")
+        from bench_msa import table
+        print(table(r))
     elif "totals" in r:
         print(name, json.dumps(r["totals"]))
         if "lora" in r:

@@ -1,5 +1,6 @@
 """The trainer on the H200 (marker `gpu`): the GPU fast paths (grouped NVFP4 expert kernels, the Triton MSA kernels)
-give the same token logprobs and LoRA gradients as the reference paths, on the quantized tiny M3 in bf16.
+give the same token logprobs and LoRA gradients as the reference paths, on the quantized tiny M3 in bf16. MSA's fast
+path ("auto") is the KV-block-outer kernel; the per-token one (`triton`) runs too.
 
 Runs of one batch: the CPU reference, the GPU with the reference paths (`attention_impl=reference`,
 `moe_impl=loop`), the GPU fast paths (`auto`), FlexAttention, the fast paths with activation checkpointing (and MoE token chunks), and the
@@ -22,6 +23,7 @@ RUNS = {  # name -> (device, model config overrides)
     "gpu_reference": ("cuda", {"attention_impl": "reference", "moe_impl": "loop"}),
     "gpu_fast": ("cuda", {}),
     "gpu_flex": ("cuda", {"attention_impl": "flex"}),
+    "gpu_triton": ("cuda", {"attention_impl": "triton"}),  # the per-token MSA kernels ("auto" is block-outer)
     "gpu_fast_ckpt": ("cuda", {"activation_checkpointing": True}),
     "gpu_fast_ckpt_chunks": ("cuda", {"activation_checkpointing": True, "moe_chunk_tokens": 256}),
     "gpu_bf16_loop": ("cuda", {"base": "bf16", "moe_impl": "loop"}),  # the bf16 base: torch._grouped_mm path
@@ -97,6 +99,7 @@ def test_gpu_fast_paths_match_reference(tmp_path):
               "gpu_reference_vs_cpu": _compare(out["cpu_reference"], out["gpu_reference"]),
               "fast_vs_cpu": _compare(out["cpu_reference"], out["gpu_fast"]),
               "flex_vs_gpu_reference": _compare(out["gpu_reference"], out["gpu_flex"]),
+              "triton_vs_gpu_reference": _compare(out["gpu_reference"], out["gpu_triton"]),
               "ckpt_vs_fast": _compare(out["gpu_fast"], out["gpu_fast_ckpt"]),
               "moe_chunks_vs_fast": _compare(out["gpu_fast"], out["gpu_fast_ckpt_chunks"]),
               "bf16_grouped_vs_loop": _compare(out["gpu_bf16_loop"], out["gpu_bf16_grouped"]),

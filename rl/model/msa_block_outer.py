@@ -1,0 +1,428 @@
+"""MSA training attention, KV-block-outer (issue 18): Triton forward and backward where each program owns a key block.
+
+Same contract as `rl.model.msa.sparse_attention` (q [T, Hq, D], k/v [T, Hkv, D], block_ids [T, Hkv, topk] per-sequence
+128-token blocks, -1 = empty, causal inside each packed sequence; validated ids expected).
+
+Why block-outer: the per-token kernels (rl.model.msa_triton) fill 16-row tiles (one token x 16 query heads), a quarter of
+a Hopper MMA tile, and add dK/dV atomically. Here the per-token top-k is inverted: every (sparse token, KV head, slot)
+selection is an *entry*; entries are grouped by (KV head, key block) (one stable sort) and each group is cut into
+*items* of at most `item_tokens` tokens. A program loads one item's K/V block once and walks its entries TM tokens at
+a time, i.e. tiles of TM x G rows (G = Hq/Hkv query heads of a token share the KV head's selection), so the MMAs are
+64/128 rows tall and never visit a block the token did not select.
+- forward: per tile, softmax over this block alone; writes the normalised partial output and its log-sum-exp per
+  (entry, query head); `_merge` combines each row's <= topk partials (as split-KV decoding does) into O and the LSE;
+- backward: per tile, P from the final LSE, dV += P^T dO, dK += dS^T Q in registers; dQ of the tile (dS K) is a
+  partial per entry (summed per row by `_reduce_dq`) or an fp32 atomic add (`dq="atomic"`). An item stores its
+  dK/dV sums to scratch and `_reduce_dkdv` adds a block's items in order: one owner, no atomics, deterministic.
+- dense prefix: a query at position < topk*128 sees at most topk blocks and (validated ids) selects all of them, so
+  its attention is plain causal attention over its sequence's prefix: those tokens go through SDPA (FlashAttention)
+  when the prefix has >= `dense_prefix_min` tokens, and the kernels skip them.
+Operands bf16, accumulation fp32, P and dS rounded to the operand type before their MMAs (as FlashAttention and
+rl.model.msa_triton do); partials stored in `part_dtype`. Work items run largest first (LPT) for balance, or by token.
+On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1; tests only).
+
+Measured on one H200 (results/gpu/run12d, issue18_targets.json; 64 q / 4 KV heads, d 128, top-16, bf16): fwd 11.5 ms,
+fwd+bwd 29.5 ms at 32K tokens (per-token kernels 98 ms, dense causal SDPA 115 ms), 57 ms at 64K (SDPA 452 ms); slower
+than SDPA below ~9K tokens. At 32K the block kernels take 21.6 ms (about half their ceilings), the merge and dQ sum
+4.4 ms (at bandwidth: the cost of the partials), the host-side plan ~2 ms.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from m3.ops import MSA_BLOCK as BLOCK  # keys per program
+from rl.model.packed import seq_bounds
+
+
+@dataclass(frozen=True)
+class Config:
+    """Tile shapes and launch parameters (scripts/bench_msa.py --sweep times alternatives)."""
+
+    # Defaults from the sweeps of results/gpu/run12 and run12c (64 q / 4 KV heads, d 128, top-16; 4K, 32K, 64K).
+    fwd_rows: int = 64  # rows per forward tile: rows // G tokens x their G query heads (4 tokens for M3)
+    fwd_warps: int = 4
+    fwd_stages: int = 3  # run12c, fwd: 11.5 vs 12.0 ms (2 stages) at 32K, 21.4 vs 22.6 at 64K
+    bwd_rows: int = 64
+    bwd_keys: int = 128  # keys per backward program (64: two programs per item, half the dK/dV registers)
+    bwd_warps: int = 8
+    bwd_stages: int = 2
+    part_dtype: str = "bf16"  # storage of partial outputs / dQ partials: "bf16" or "fp32"
+    dq: str = "partial"  # "partial" (per-entry partials, then a sum) or "atomic" (fp32 atomic adds)
+    item_tokens: int = 512  # entries per work item
+    # Prefix tokens per sequence from which SDPA takes the dense prefix; 0 = never. Off: the kernels take those
+    # tokens for less than SDPA plus gathering them (run12 sweep: 33.6 vs 34.9 ms at 32K, 5.1 vs 5.5 ms at 4K).
+    dense_prefix_min: int = 0
+    row_tile: int = 128  # rows per program of the row-wise kernels (merge, delta, dQ sum)
+    order: str = "token"  # launch order of work items: "size" (largest first) or "token" (by first token: programs
+    # running together read the same tokens' q/dO, which may then come from L2)
+
+
+DEFAULT = Config()
+
+
+@dataclass
+class Plan:
+    """Index tables for one (block_ids, cu_seqlens); built on the ids' device."""
+
+    entries: torch.Tensor  # [NE] int32 flat (token*Hkv + head)*topk + slot, grouped by (head, block), tokens ascending
+    item_key: torch.Tensor  # [NI] int32 head*NKB + global block of each item (items in key order)
+    item_lo: torch.Tensor  # [NI] int32 range of the item in `entries`
+    item_hi: torch.Tensor
+    order: torch.Tensor  # [NI] int32 launch order (Config.order)
+    key_item0: torch.Tensor  # [Hkv*NKB + 1] int32 first item of each key
+    kstart: torch.Tensor  # [NKB] int32 packed index of each global block's first key
+    kend: torch.Tensor  # [NKB] int32 end of that block's sequence (keys past it belong to the next one)
+    slot_gid: torch.Tensor  # [T, Hkv, topk] int32 global block per slot; -1 empty or dense-prefix token
+    dense_row: torch.Tensor  # [T] int32 row in the dense-prefix output, -1 for tokens the kernels handle
+    dense_idx: torch.Tensor  # [Tp] int64 tokens of the dense prefixes, in order
+    prefixes: list  # [(start, length)] SDPA calls, offsets into the packed tokens
+    nkb: int
+
+
+def build_plan(block_ids: torch.Tensor, cu_seqlens, config: Config = DEFAULT) -> Plan:
+    """The inverted lists. Per-sequence and per-block tables are made on the host and copied once; the per-entry
+    work is one stable sort on the device; one sync reads the number of work items (the grid size). Few launches:
+    at 4K tokens this runs about as long as the kernels (results/gpu/run12: 1.9 ms before this layout)."""
+    device = block_ids.device
+    t_count, hkv, topk = block_ids.shape
+    bounds = seq_bounds(cu_seqlens)
+    nseq = len(bounds)
+    lens = torch.tensor([e - s for s, e in bounds])
+    nblk = (lens + BLOCK - 1) // BLOCK
+    nkb = int(nblk.sum())
+    cu = F.pad(torch.cumsum(lens, 0), (1, 0))
+    base = torch.cumsum(nblk, 0) - nblk  # first global block of each sequence
+    seq_of_kb = torch.repeat_interleave(torch.arange(nseq), nblk)
+    kstart = cu[seq_of_kb] + BLOCK * (torch.arange(nkb) - base[seq_of_kb])
+    # Dense prefixes: positions < topk*128 select every visible block, i.e. causal attention over the prefix.
+    plen = torch.clamp(lens, max=topk * BLOCK)
+    plen = torch.where((plen >= config.dense_prefix_min) & (config.dense_prefix_min > 0), plen, 0)
+    prefixes = [(s, int(p)) for (s, _), p in zip(bounds, plen) if p]
+    host = torch.cat([cu[:-1], lens, base, plen, kstart, cu[seq_of_kb + 1]]).to(device)
+    cu_d, lens_d, base_d, plen_d, kstart_d, kend_d = host.split([nseq, nseq, nseq, nseq, nkb, nkb])
+
+    seq = torch.repeat_interleave(torch.arange(nseq, device=device), lens_d, output_size=t_count)
+    pos = torch.arange(t_count, device=device) - cu_d[seq]
+    dense = pos < plen_d[seq]
+    ids = block_ids.to(torch.int32)
+    gid = torch.where((ids >= 0) & ~dense[:, None, None], ids + base_d[seq].to(torch.int32)[:, None, None], -1)
+    big = hkv * nkb  # sorts after every real key
+    head_base = (torch.arange(hkv, device=device, dtype=torch.int32) * nkb)[None, :, None]
+    key, entries = torch.sort(torch.where(gid >= 0, head_base + gid, big).reshape(-1), stable=True)  # by token
+    bounds_k = torch.searchsorted(key, torch.arange(big + 1, device=device, dtype=torch.int32))
+    counts = bounds_k[1:] - bounds_k[:-1]
+    per_key = (counts + config.item_tokens - 1) // config.item_tokens
+    key_item0 = F.pad(torch.cumsum(per_key, 0), (1, 0))
+    n_items = int(key_item0[-1])  # the one sync
+    item_key = torch.repeat_interleave(torch.arange(big, device=device), per_key, output_size=n_items)
+    lo = bounds_k[item_key] + (torch.arange(n_items, device=device) - key_item0[item_key]) * config.item_tokens
+    hi = torch.minimum(lo + config.item_tokens, bounds_k[item_key + 1])
+    if config.order == "token":
+        order = torch.sort(entries[lo] // (hkv * topk), stable=True).indices
+    else:
+        order = torch.sort(hi - lo, descending=True, stable=True).indices
+    dense_row = torch.full((t_count,), -1, dtype=torch.int32, device=device)
+    dense_idx = torch.cat([torch.arange(s, s + p) for s, p in prefixes]).to(device) if prefixes else seq[:0]
+    if prefixes:
+        dense_row[dense_idx] = torch.arange(len(dense_idx), dtype=torch.int32, device=device)
+    i32 = lambda x: x.to(torch.int32).contiguous()  # noqa: E731
+    return Plan(i32(entries), i32(item_key), i32(lo), i32(hi), i32(order), i32(key_item0), i32(kstart_d),
+                i32(kend_d), gid.contiguous(), dense_row, dense_idx, prefixes, nkb)
+
+
+try:  # module-level jit functions: Triton's interpreter resolves callees from module globals
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs: only the reference paths
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def _tile(ent_ptr, base, hi, h, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, TOPK: tl.constexpr,
+              TM: tl.constexpr, BM: tl.constexpr):
+        # Rows of the tile at entries [base, base+TM): row r = entry base + r//G, query head h*G + r%G.
+        r = tl.arange(0, BM)
+        slot = base + r // G
+        ok = (r < TM * G) & (slot < hi)
+        e = tl.load(ent_ptr + slot, mask=ok, other=0)
+        tok = e // (HKV * TOPK)
+        qrow = tok * HQ + h * G + r % G  # row of q / o / lse (token, query head)
+        prow = e.to(tl.int64) * G + r % G  # row of the per-entry partials
+        return ok, tok, qrow, prow
+
+    @triton.jit
+    def _item(item_ptr, key_ptr, lo_ptr, hi_ptr, kstart_ptr, k_ptr, v_ptr, T, NKB, key0,
+              HKV: tl.constexpr, D: tl.constexpr, BN: tl.constexpr):
+        # The launched item, its KV head, and the K/V rows [BN, D] it owns (BN keys from key0 inside the block).
+        it = tl.load(item_ptr + tl.program_id(0))
+        key = tl.load(key_ptr + it)
+        h = key // NKB
+        kidx = tl.load(kstart_ptr + key - h * NKB) + key0 + tl.arange(0, BN)
+        rows = (kidx[:, None] * HKV + h) * D + tl.arange(0, D)[None, :]
+        kt = tl.load(k_ptr + rows, mask=(kidx < T)[:, None], other=0.0)
+        vt = tl.load(v_ptr + rows, mask=(kidx < T)[:, None], other=0.0)
+        return it, h, tl.load(lo_ptr + it), tl.load(hi_ptr + it), kidx, kt, vt
+
+    @triton.jit
+    def _fwd(q_ptr, k_ptr, v_ptr, opart_ptr, lpart_ptr, ent_ptr, order_ptr, key_ptr, lo_ptr, hi_ptr, kstart_ptr,
+             T, NKB, qk_scale, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, TOPK: tl.constexpr,
+             TM: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr):
+        it, h, lo, hi, kidx, kt, vt = _item(order_ptr, key_ptr, lo_ptr, hi_ptr, kstart_ptr, k_ptr, v_ptr, T, NKB, 0,
+                                            HKV, D, 128)
+        d = tl.arange(0, D)
+        for base in range(lo, hi, TM):
+            ok, tok, qrow, prow = _tile(ent_ptr, base, hi, h, HQ, HKV, G, TOPK, TM, BM)
+            q = tl.load(q_ptr + qrow[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(kt), input_precision=PREC) * qk_scale  # log2 units
+            s = tl.where(kidx[None, :] <= tok[:, None], s, float("-inf"))
+            m = tl.max(s, 1)
+            m = tl.where(m == float("-inf"), 0.0, m)  # padding rows only: a selected block has a visible key
+            p = tl.exp2(s - m[:, None])
+            l = tl.sum(p, 1)
+            o = tl.dot(p.to(vt.dtype), vt, input_precision=PREC) / tl.where(l > 0, l, 1.0)[:, None]
+            tl.store(opart_ptr + prow[:, None] * D + d[None, :], o.to(opart_ptr.dtype.element_ty), mask=ok[:, None])
+            tl.store(lpart_ptr + prow, m + tl.log2(l), mask=ok)
+
+    @triton.jit
+    def _rows(NROWS, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, R: tl.constexpr):
+        # R consecutive (token, query head) rows of o / q: row index, its token, KV head, head inside the group.
+        row = tl.program_id(0) * R + tl.arange(0, R)
+        ok = row < NROWS
+        row = tl.where(ok, row, 0)
+        head = row % HQ
+        return row, ok, row // HQ, head // G, head % G
+
+    @triton.jit
+    def _merge(opart_ptr, lpart_ptr, gid_ptr, dense_row_ptr, dense_ptr, o_ptr, lse_ptr, NROWS, HQ: tl.constexpr,
+               HKV: tl.constexpr, G: tl.constexpr, TOPK: tl.constexpr, D: tl.constexpr, R: tl.constexpr):
+        # O and LSE (log2 units) of R rows from their slots' partials; dense-prefix rows copy the SDPA output.
+        row, ok, t, hk, g = _rows(NROWS, HQ, HKV, G, R)
+        d = tl.arange(0, D)
+        m = tl.full([R], float("-inf"), tl.float32)
+        l = tl.zeros([R], tl.float32)
+        acc = tl.zeros([R, D], tl.float32)
+        for j in range(TOPK):
+            e = (t * HKV + hk) * TOPK + j
+            used = ok & (tl.load(gid_ptr + e, mask=ok, other=-1) >= 0)
+            prow = e.to(tl.int64) * G + g
+            lj = tl.load(lpart_ptr + prow, mask=used, other=float("-inf"))
+            oj = tl.load(opart_ptr + prow[:, None] * D + d[None, :], mask=used[:, None], other=0.0)
+            m_new = tl.maximum(m, lj)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_safe)
+            w = tl.exp2(lj - m_safe)
+            l = l * alpha + w
+            acc = acc * alpha[:, None] + w[:, None] * oj.to(tl.float32)
+            m = m_new
+        has = l > 0
+        out = acc / tl.where(has, l, 1.0)[:, None]
+        drow = tl.load(dense_row_ptr + t, mask=ok, other=-1)
+        dense = drow >= 0  # such rows have no slots (l == 0)
+        x = tl.load(dense_ptr + (drow.to(tl.int64) * HQ + row % HQ)[:, None] * D + d[None, :], mask=dense[:, None],
+                    other=0.0)
+        out = tl.where(dense[:, None], x.to(tl.float32), out)
+        tl.store(o_ptr + row.to(tl.int64)[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty), mask=ok[:, None])
+        tl.store(lse_ptr + row, tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("inf")), mask=ok)
+
+    @triton.jit
+    def _delta(o_ptr, do_ptr, delta_ptr, NROWS, D: tl.constexpr, R: tl.constexpr):
+        # delta = rowsum(dO * O) in fp32.
+        row = tl.program_id(0) * R + tl.arange(0, R)
+        ok = row < NROWS
+        offs = row.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
+        o = tl.load(o_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+        do = tl.load(do_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+        tl.store(delta_ptr + row, tl.sum(o * do, 1), mask=ok)
+
+    @triton.jit
+    def _bwd(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dks_ptr, dvs_ptr, ent_ptr, order_ptr, key_ptr,
+             lo_ptr, hi_ptr, kstart_ptr, T, NKB, NE, qk_scale, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
+             TOPK: tl.constexpr, TM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+             PREC: tl.constexpr, DQ_ATOMIC: tl.constexpr):
+        half = tl.program_id(1)  # which BN keys of the 128-key block
+        it, h, lo, hi, kidx, kt, vt = _item(order_ptr, key_ptr, lo_ptr, hi_ptr, kstart_ptr, k_ptr, v_ptr, T, NKB,
+                                            half * BN, HKV, D, BN)
+        d = tl.arange(0, D)
+        dk = tl.zeros([BN, D], tl.float32)
+        dv = tl.zeros([BN, D], tl.float32)
+        for base in range(lo, hi, TM):
+            ok, tok, qrow, prow = _tile(ent_ptr, base, hi, h, HQ, HKV, G, TOPK, TM, BM)
+            q = tl.load(q_ptr + qrow[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+            do = tl.load(do_ptr + qrow[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+            lse = tl.load(lse_ptr + qrow, mask=ok, other=float("inf"))
+            delta = tl.load(delta_ptr + qrow, mask=ok, other=0.0)
+            # Transposed tiles [keys, rows], as the key block is the fixed operand.
+            st = tl.dot(kt, tl.trans(q), input_precision=PREC) * qk_scale
+            pt = tl.where((kidx[:, None] <= tok[None, :]) & ok[None, :], tl.exp2(st - lse[None, :]), 0.0)
+            dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PREC)
+            dpt = tl.dot(vt, tl.trans(do), input_precision=PREC)
+            dst = (pt * (dpt - delta[None, :])).to(q.dtype)
+            dk = tl.dot(dst, q, dk, input_precision=PREC)
+            dq = tl.dot(tl.trans(dst), kt, input_precision=PREC)  # [rows, D], unscaled
+            if DQ_ATOMIC:
+                tl.atomic_add(dq_ptr + qrow[:, None] * D + d[None, :], dq, mask=ok[:, None], sem="relaxed")
+            else:
+                tl.store(dq_ptr + (half * NE * G + prow)[:, None] * D + d[None, :], dq.to(dq_ptr.dtype.element_ty),
+                         mask=ok[:, None])
+        srow = (it.to(tl.int64) * 128 + half * BN + tl.arange(0, BN))[:, None] * D + d[None, :]
+        tl.store(dks_ptr + srow, dk)
+        tl.store(dvs_ptr + srow, dv)
+
+    @triton.jit
+    def _reduce_dq(dqp_ptr, gid_ptr, dq_ptr, NROWS, NE, scale, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
+                   TOPK: tl.constexpr, D: tl.constexpr, NH: tl.constexpr, R: tl.constexpr):
+        # dQ of R rows: scale * the sum of their slots' partials (zeros for dense-prefix rows: no slots).
+        row, ok, t, hk, g = _rows(NROWS, HQ, HKV, G, R)
+        d = tl.arange(0, D)
+        acc = tl.zeros([R, D], tl.float32)
+        for j in range(TOPK):
+            e = (t * HKV + hk) * TOPK + j
+            used = ok & (tl.load(gid_ptr + e, mask=ok, other=-1) >= 0)
+            for half in range(NH):
+                prow = half * NE * G + e.to(tl.int64) * G + g
+                acc += tl.load(dqp_ptr + prow[:, None] * D + d[None, :], mask=used[:, None], other=0.0).to(tl.float32)
+        tl.store(dq_ptr + row.to(tl.int64)[:, None] * D + d[None, :], (acc * scale).to(dq_ptr.dtype.element_ty),
+                 mask=ok[:, None])
+
+    @triton.jit
+    def _reduce_dkdv(dks_ptr, dvs_ptr, key_item0_ptr, kstart_ptr, kend_ptr, dk_ptr, dv_ptr, NKB, scale,
+                     HKV: tl.constexpr, D: tl.constexpr):
+        # dK/dV of one (KV head, key block): its items' sums in item order; zeros for a block nobody selected.
+        key = tl.program_id(0)
+        h = key // NKB
+        kb = key - h * NKB
+        r = tl.arange(0, 128)
+        d = tl.arange(0, D)
+        ak = tl.zeros([128, D], tl.float32)
+        av = tl.zeros([128, D], tl.float32)
+        for it in range(tl.load(key_item0_ptr + key), tl.load(key_item0_ptr + key + 1)):
+            srow = (it * 128 + r).to(tl.int64)[:, None] * D + d[None, :]  # it: an int under the interpreter
+            ak += tl.load(dks_ptr + srow)
+            av += tl.load(dvs_ptr + srow)
+        kidx = tl.load(kstart_ptr + kb) + r
+        ok = (kidx < tl.load(kend_ptr + kb))[:, None]
+        rows = (kidx[:, None] * HKV + h) * D + d[None, :]
+        tl.store(dk_ptr + rows, (ak * scale).to(dk_ptr.dtype.element_ty), mask=ok)
+        tl.store(dv_ptr + rows, av.to(dv_ptr.dtype.element_ty), mask=ok)
+
+
+def _p2(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def _tokens(rows: int, g: int) -> int:
+    return max(1, rows // g)
+
+
+def _part_dtype(q, config):
+    return torch.float32 if q.dtype == torch.float32 or config.part_dtype == "fp32" else q.dtype
+
+
+class _BlockOuter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, dense_out, plan: Plan, scale: float, config: Config):  # noqa: D102
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        t_count, hq, dim = q.shape
+        hkv, topk = k.shape[1], plan.slot_gid.shape[2]
+        g = hq // hkv
+        prec = "ieee" if q.dtype == torch.float32 else "tf32"
+        ne = t_count * hkv * topk
+        opart = torch.empty(ne * g, dim, dtype=_part_dtype(q, config), device=q.device)
+        lpart = torch.empty(ne * g, dtype=torch.float32, device=q.device)
+        o = torch.empty_like(q)
+        lse = torch.empty(t_count, hq, dtype=torch.float32, device=q.device)
+        qk_scale = scale * math.log2(math.e)
+        tm = _tokens(config.fwd_rows, g)
+        if plan.order.numel():
+            _fwd[(plan.order.numel(),)](
+                q, k, v, opart, lpart, plan.entries, plan.order, plan.item_key, plan.item_lo, plan.item_hi,
+                plan.kstart, t_count, plan.nkb, qk_scale, HQ=hq, HKV=hkv, G=g, TOPK=topk, TM=tm, BM=_p2(tm * g), D=dim,
+                PREC=prec, num_warps=config.fwd_warps, num_stages=config.fwd_stages)
+        dense = dense_out.contiguous() if dense_out is not None else o
+        rows, r = t_count * hq, config.row_tile
+        if t_count:
+            _merge[(triton.cdiv(rows, r),)](opart, lpart, plan.slot_gid, plan.dense_row, dense, o, lse, rows, HQ=hq,
+                                            HKV=hkv, G=g, TOPK=topk, D=dim, R=r)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.plan, ctx.scale, ctx.config, ctx.has_dense = plan, scale, config, dense_out is not None
+        return o
+
+    @staticmethod
+    def backward(ctx, do):  # noqa: D102
+        q, k, v, o, lse = ctx.saved_tensors
+        plan, scale, config = ctx.plan, ctx.scale, ctx.config
+        do = do.contiguous().to(q.dtype)
+        t_count, hq, dim = q.shape
+        hkv, topk = k.shape[1], plan.slot_gid.shape[2]
+        g = hq // hkv
+        prec = "ieee" if q.dtype == torch.float32 else "tf32"
+        ne, ni = t_count * hkv * topk, plan.item_key.numel()
+        bn = config.bwd_keys
+        nh = BLOCK // bn
+        delta = torch.empty(t_count, hq, dtype=torch.float32, device=q.device)
+        rows, r = t_count * hq, config.row_tile
+        if t_count:
+            _delta[(triton.cdiv(rows, r),)](o, do, delta, rows, D=dim, R=r)
+        atomic = config.dq == "atomic"
+        dq_buf = (torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else
+                  torch.empty(nh * ne * g, dim, dtype=_part_dtype(q, config), device=q.device))
+        dks = torch.empty(ni * BLOCK, dim, dtype=torch.float32, device=q.device)
+        dvs = torch.empty_like(dks)
+        if ni:
+            _bwd[(ni, nh)](q, k, v, do, lse, delta, dq_buf, dks, dvs, plan.entries, plan.order, plan.item_key,
+                           plan.item_lo, plan.item_hi, plan.kstart, t_count, plan.nkb, ne, scale * math.log2(math.e),
+                           HQ=hq, HKV=hkv, G=g, TOPK=topk, TM=_tokens(config.bwd_rows, g),
+                           BM=_p2(_tokens(config.bwd_rows, g) * g),
+                           BN=bn, D=dim, PREC=prec, DQ_ATOMIC=atomic, num_warps=config.bwd_warps,
+                           num_stages=config.bwd_stages)
+        if atomic:
+            dq = (dq_buf * scale).to(q.dtype)
+        else:
+            dq = torch.empty_like(q)
+            if t_count:
+                _reduce_dq[(triton.cdiv(rows, r),)](dq_buf, plan.slot_gid, dq, rows, ne, scale, HQ=hq, HKV=hkv, G=g,
+                                                    TOPK=topk, D=dim, NH=nh, R=r)
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        if plan.nkb:
+            _reduce_dkdv[(hkv * plan.nkb,)](dks, dvs, plan.key_item0, plan.kstart, plan.kend, dk, dv, plan.nkb,
+                                            scale, HKV=hkv, D=dim)
+        d_dense = do.index_select(0, plan.dense_idx) if ctx.has_dense else None
+        return dq, dk, dv, d_dense, None, None, None
+
+
+def _causal_sdpa(q, k, v, spans, scale: float):
+    """Causal attention of each span [(start, length)] of q/k/v rows (SDPA; FlashAttention on CUDA), concatenated."""
+    outs = []
+    for start, length in spans:
+        qs, ks, vs = (x[start:start + length].transpose(0, 1)[None] for x in (q, k, v))
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                                   enable_gqa=qs.shape[1] != ks.shape[1])[0].transpose(0, 1))
+    return torch.cat(outs) if outs else q.new_empty(0, *q.shape[1:])
+
+
+def _dense_prefix(q, k, v, plan: Plan, scale: float):
+    """The dense prefixes' attention, rows in `plan.dense_idx` order."""
+    if not plan.prefixes:
+        return None
+    qp, kp, vp = (x.index_select(0, plan.dense_idx) for x in (q, k, v))  # one gather: its backward is one scatter
+    offsets = torch.tensor([0] + [n for _, n in plan.prefixes]).cumsum(0).tolist()
+    return _causal_sdpa(qp, kp, vp, [(o, n) for o, (_, n) in zip(offsets, plan.prefixes)], scale)
+
+
+def sparse_attention(q, k, v, block_ids, cu_seqlens, scale: float, config: Config = DEFAULT) -> torch.Tensor:
+    """`rl.model.msa.sparse_attention` semantics (validated ids expected); differentiable in q, k, v."""
+    bounds = seq_bounds(cu_seqlens)
+    if all(e - s <= block_ids.shape[2] * BLOCK for s, e in bounds):
+        # Every query sees at most topk blocks and selects them all: the batch is plain causal attention per
+        # sequence, no kernels (packed batches of short sequences run as fast as dense, being dense)
+        return _causal_sdpa(q, k, v, [(s, e - s) for s, e in bounds if e > s], scale)
+    if triton is None:
+        raise RuntimeError("rl.model.msa_block_outer needs Triton (CUDA, or TRITON_INTERPRET=1 for tests)")
+    plan = build_plan(block_ids, cu_seqlens, config)
+    dense_out = _dense_prefix(q, k, v, plan, scale)
+    return _BlockOuter.apply(q, k, v, dense_out, plan, scale, config)

@@ -1,0 +1,25 @@
+"""Packed batches without padding: `cu_seqlens [B+1]` offsets into one token axis, positions restarting per
+sequence (left padding would shift MSA blocks). Shared by the model and the MSA kernels."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def seq_bounds(cu_seqlens: torch.Tensor | Sequence[int]) -> list[tuple[int, int]]:
+    """[(start, end)] per sequence, after checking that cu_seqlens is a non-decreasing offset list from 0."""
+    cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else [int(c) for c in cu_seqlens]
+    if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must be non-decreasing offsets starting at 0 with >= 2 entries, got {cu}")
+    return list(zip(cu[:-1], cu[1:]))
+
+
+def token_positions(cu_seqlens, device=None) -> torch.Tensor:
+    """Position of every packed token inside its own sequence (int64 [T])."""
+    bounds = seq_bounds(cu_seqlens)
+    total = bounds[-1][1]
+    lens = torch.tensor([e - s for s, e in bounds], device=device)
+    starts = torch.tensor([s for s, _ in bounds], device=device)
+    return torch.arange(total, device=device) - starts.repeat_interleave(lens, output_size=total)

@@ -1,0 +1,155 @@
+"""rl.model.msa_block_outer (KV-block-outer MSA kernels) against the reference attention.
+
+CPU: the kernels run under Triton's interpreter (tests/triton_interpreter.py) in fp32 with exact dots, so the bound is
+fp32 rounding (1e-5 relative to the largest value). Cases cover packed sequences (one shorter than a block), the
+dense prefix through SDPA and without it (then -1 padded slots reach the kernels), forced init blocks, lists split
+into many work items (dK/dV summed over items), 64-key backward programs, atomic dQ, and G = 3 query heads per KV
+head (padded tile rows).
+GPU (`-m gpu`): bf16 at M3's shapes (64 q / 4 KV heads, d 128, top-16) at 4K, packed, 32K, with -1 padding and
+forced blocks, through `rl.model.msa.sparse_attention` (the default path) and each partial/dQ variant.
+"""
+
+import json
+import sys
+
+import pytest
+import torch
+
+from tests.triton_interpreter import run_under_interpreter
+
+
+def _inputs(lengths, hq, hkv, dim, topk, init, local, seed, device="cpu", dtype=torch.float32, index_dim=64):
+    from rl.model import msa
+
+    g = torch.Generator().manual_seed(seed)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    total = sum(lengths)
+    iq, ik = torch.randn(total, hkv, index_dim, generator=g), torch.randn(total, index_dim, generator=g)
+    ids = msa.select_blocks(iq.to(device), ik.to(device), cu, topk, init, local)
+    msa.validate_block_ids(ids, cu, num_heads=hkv, topk=topk, init_blocks=init, local_blocks=local)
+    ids = ids.transpose(0, 1).contiguous().transpose(0, 1)  # strided as the CUDA selection returns them
+    q, k, v = (torch.randn(total, h, dim, generator=g).to(device, dtype).requires_grad_() for h in (hq, hkv, hkv))
+    go = torch.randn(total, hq, dim, generator=g).to(device, dtype)
+    return cu, ids, q, k, v, go
+
+
+def _case(lengths, hq, hkv, dim, topk, init=0, local=1, seed=0, **config):
+    from rl.model import msa, msa_block_outer as mbo
+
+    cu, ids, q, k, v, go = _inputs(lengths, hq, hkv, dim, topk, init, local, seed)
+    cfg = mbo.Config(part_dtype="fp32", row_tile=256, **config)
+    ref = msa.sparse_attention(q, k, v, ids, cu, impl="reference")
+    out = mbo.sparse_attention(q, k, v, ids, cu, dim ** -0.5, cfg)
+    grads = [torch.autograd.grad(o, (q, k, v), go) for o in (ref, out)]
+    plan = mbo.build_plan(ids, cu, cfg)
+    rel = lambda a, b: float((a - b).abs().max() / b.abs().max())  # noqa: E731
+    return {"out": rel(out, ref), **{f"d{n}": rel(b, a) for n, a, b in zip("qkv", *grads)},
+            "items": plan.item_key.numel(), "keys": plan.nkb * hkv, "dense_tokens": plan.dense_idx.numel(),
+            "empty_kernel_slots": int(((ids < 0) & (plan.dense_row < 0)[:, None, None]).sum())}
+
+
+CASES = {  # name -> _case kwargs; tiny, as the interpreter runs every program in Python
+    # topk 2: positions < 256 are the dense prefix; the 77-token sequence is dense throughout
+    "packed_dense_prefix": dict(lengths=[300, 77, 260], hq=4, hkv=2, dim=16, topk=2, dense_prefix_min=1,
+                                item_tokens=16),
+    "no_prefix_init_split": dict(lengths=[300, 100], hq=2, hkv=1, dim=16, topk=3, init=1, dense_prefix_min=0,
+                                 item_tokens=16, fwd_rows=16, bwd_rows=8),
+    "bwd_half_blocks": dict(lengths=[260], hq=2, hkv=1, dim=16, topk=2, dense_prefix_min=0, bwd_keys=64,
+                            item_tokens=64),
+    "atomic_dq_g3": dict(lengths=[200, 60], hq=6, hkv=2, dim=16, topk=2, dense_prefix_min=0, dq="atomic",
+                         fwd_rows=12, bwd_rows=12),
+}
+
+if __name__ == "__main__":  # the interpreter subprocess
+    print(json.dumps({name: _case(**kw) for name, kw in CASES.items()}))
+    sys.exit(0)
+
+
+def test_block_outer_under_the_interpreter_matches_reference():
+    report = run_under_interpreter(__file__)
+    print(json.dumps(report, indent=1))
+    assert set(report) == set(CASES)
+    for name, r in report.items():
+        for key in ("out", "dq", "dk", "dv"):
+            assert r[key] <= 1e-5, (name, key, r)
+    # the cases reach what they are named for
+    assert report["packed_dense_prefix"]["dense_tokens"] == 256 + 77 + 256
+    assert report["no_prefix_init_split"]["empty_kernel_slots"] > 0  # -1 padding inside the kernels
+    assert report["no_prefix_init_split"]["items"] > 2 * report["no_prefix_init_split"]["keys"]  # lists split
+
+
+def test_plan_groups_every_selection_once():
+    """CPU, no Triton: the inverted lists hold each (sparse token, head, slot) selection exactly once."""
+    from rl.model import msa_block_outer as mbo
+
+    cu, ids, *_ = _inputs([700, 300], 4, 2, 16, 3, 1, 1, seed=3)
+    plan = mbo.build_plan(ids, cu, mbo.Config(item_tokens=16, dense_prefix_min=128))
+    t_count, hkv, topk = ids.shape
+    ent = torch.cat([plan.entries[lo:hi] for lo, hi in zip(plan.item_lo.tolist(), plan.item_hi.tolist())]).long()
+    assert sorted(ent.tolist()) == (plan.slot_gid.view(-1) >= 0).nonzero().squeeze(1).tolist()
+    key = plan.item_key.long().repeat_interleave((plan.item_hi - plan.item_lo).long())
+    assert torch.equal(key, (ent // topk) % hkv * plan.nkb + plan.slot_gid.view(-1)[ent].long())
+    assert (plan.item_hi - plan.item_lo).max() <= 16
+    assert plan.dense_idx.tolist() == list(range(384)) + list(range(700, 700 + 300))
+    for order in ("size", "token"):  # launch orders are permutations of the items
+        cfg = mbo.Config(item_tokens=16, dense_prefix_min=128, order=order)
+        assert sorted(mbo.build_plan(ids, cu, cfg).order.tolist()) == list(
+            range(plan.item_key.numel()))
+
+
+def test_short_sequences_are_causal_sdpa():
+    """CPU, no Triton: a batch whose sequences all fit in topk blocks is dense causal attention (SDPA per sequence);
+    an empty sequence in the batch is skipped."""
+    from rl.model import msa, msa_block_outer as mbo
+
+    cu, ids, q, k, v, go = _inputs([250, 0, 256, 77], 4, 2, 16, 2, 0, 1, seed=4)
+    ref = msa.sparse_attention(q, k, v, ids, cu, impl="reference")
+    out = mbo.sparse_attention(q, k, v, ids, cu, 16 ** -0.5)
+    assert float((out - ref).detach().abs().max() / ref.detach().abs().max()) <= 1e-5
+    for a, b in zip(torch.autograd.grad(ref, (q, k, v), go), torch.autograd.grad(out, (q, k, v), go)):
+        assert float((a - b).abs().max() / a.abs().max()) <= 1e-5
+
+
+# --- GPU ---------------------------------------------------------------------------------------------------------
+
+def _rel(a, b):
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).abs().max() / b.abs().max()), float((a - b).norm() / b.norm())
+
+
+GPU_CASES = {  # id -> (lengths, init blocks, config overrides); {} = the default dispatch (rl.model.msa, impl auto)
+    "4k": ([4096], 0, {}),
+    "packed_padding": ([1000, 3000, 96, 2100], 0, {}),  # sequences < 2048 tokens: -1 padded slots
+    "32k": ([32768], 0, {}),
+    "dense_prefix_sdpa": ([4096, 1500, 2600], 0, {"dense_prefix_min": 1024}),
+    "all_short_sdpa": ([1000, 2048, 300, 744], 0, {}),  # every sequence <= 2048 tokens: SDPA per sequence
+    "forced_init": ([6000, 2500], 2, {}),
+    "fp32_parts_atomic_dq": ([5000], 1, {"part_dtype": "fp32", "dq": "atomic"}),
+    "half_blocks_size_order": ([5000], 0, {"bwd_keys": 64, "bwd_warps": 4, "order": "size", "fwd_rows": 128,
+                                           "fwd_warps": 8}),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_block_outer_matches_reference_gpu(case):
+    """Bounds as for the per-token kernels and FlexAttention in bf16: 2^-6 relative max, 5e-3 relative norm."""
+    from rl.model import msa, msa_block_outer as mbo
+
+    lengths, init, overrides = GPU_CASES[case]
+    cu, ids, q, k, v, go = _inputs(lengths, 64, 4, 128, 16, init, 1, seed=11, device="cuda", dtype=torch.bfloat16,
+                                   index_dim=128)
+    ref = msa.sparse_attention(q, k, v, ids, cu, impl="reference")
+    if overrides:
+        out = mbo.sparse_attention(q, k, v, ids, cu, 128 ** -0.5, mbo.Config(**overrides))
+    else:  # the default dispatch
+        out = msa.sparse_attention(q, k, v, ids, cu)
+    res = [(ref, out)] + list(zip(torch.autograd.grad(ref, (q, k, v), go), torch.autograd.grad(out, (q, k, v), go)))
+    lines = []
+    for name, (a, b) in zip(("out", "dq", "dk", "dv"), res):
+        rel_max, rel_norm = _rel(b, a)
+        assert torch.isfinite(b).all(), (case, name)
+        lines.append((name, rel_max, rel_norm))
+    print(case, lines)
+    for name, rel_max, rel_norm in lines:
+        assert rel_max <= 2 ** -6 and rel_norm <= 5e-3, (case, name, rel_max, rel_norm)
