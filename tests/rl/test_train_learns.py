@@ -1,11 +1,11 @@
 """The embedded default learns: `python -m rl.train` with no model/data arguments warms up the tiny M3, quantizes it,
 passes rl.check, and GRPO raises the training reward and the eval pass@1 of the sampled policy.
 
-- In `make test` (4 min 27 s from an empty cache, seed 0: reward 0.588 -> 0.733, sampled pass@1 0.571 -> 0.678):
-  the same run cut to 40 steps. Measured over seeds 0-2
-  (results/make_train_cpu.json): at step 40 the reward's first-5 -> last-5 gain was +0.145 / +0.148 / +0.159, with a
-  per-step reward s.d. of ~0.09 (a gain of 5-step means has s.d. ~0.057 when nothing is learned); the sampled eval
-  pass@1 (200 problems x 4 samples, s.d. of a paired difference ~0.02) gained +0.11 to +0.18 by step 70.
+- In `make test`: the same run cut to 40 steps (seed 0: reward first-5 -> last-5 0.556 -> 0.703, sampled eval pass@1
+  0.500 -> 0.639, results/make_train_cpu.json "make_test_variant"). Over seeds 0-2 the reward gain at step 40 was
+  +0.147 / +0.233 / +0.176; noise: the per-step reward s.d. is ~0.09, so a gain of 5-step means has s.d. ~0.057 when
+  nothing is learned, and the sampled eval (200 problems x 4 samples) has a paired-difference s.d. of ~0.02. The
+  asserted +0.08 eval gain is 4 s.d. of that noise.
 - `slow`: the full default run at issue 12's margins."""
 
 import json
@@ -33,7 +33,7 @@ def run_default(run, *overrides) -> tuple[dict, float, float]:
 def test_embedded_default_learns_in_40_steps(tmp_path):
     summary, first, last = run_default(tmp_path / "run", "trainer.total_training_steps=40", "trainer.save_freq=40")
     assert last >= first + 0.07, (first, last)
-    assert summary["eval_after"]["pass@1"] >= summary["eval_before"]["pass@1"] + 0.05, summary
+    assert summary["eval_after"]["pass@1"] >= summary["eval_before"]["pass@1"] + 0.08, summary
 
 
 @pytest.mark.slow
