@@ -43,6 +43,16 @@ def pack_rollouts(rollouts) -> PackedBatch:
         cu.append(cu[-1] + len(seq) - 1)
         routing.append(r.routed_experts)
         blocks.append(r.block_ids)
-    cat = lambda xs: None if any(x is None for x in xs) else np.concatenate(xs)  # noqa: E731
     return PackedBatch(torch.cat(ids), torch.cat(targets), torch.tensor(cu), torch.cat(mask), torch.cat(lps),
-                       cat(routing), cat(blocks))
+                       _concat("routing", routing), _concat("blocks", blocks))
+
+
+def _concat(what: str, arrays: list) -> np.ndarray | None:
+    """The rollouts' captures as one array; None only when no rollout has one (capture off), never for some."""
+    missing = [i for i, a in enumerate(arrays) if a is None]
+    if len(missing) == len(arrays):
+        return None
+    if missing:
+        raise ValueError(f"{what} capture missing for rollouts {missing[:10]} of {len(arrays)}: replaying the others "
+                         "would misalign the batch")
+    return np.concatenate(arrays)

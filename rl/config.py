@@ -131,7 +131,7 @@ class ActorCfg:
     ppo_epochs: int = 1
     ppo_mini_batch_size: int | None = None  # None = data.train_batch_size: one optimizer step per batch
     routing_replay: bool = True
-    block_replay: bool = False
+    block_replay: bool = True  # the engine's MSA blocks are part of the same forward (always captured)
     optim: OptimCfg = field(default_factory=OptimCfg)
     fsdp_config: FSDPCfg = field(default_factory=FSDPCfg)
 
@@ -151,9 +151,12 @@ class RolloutCfg:
 
 @dataclass
 class CheckCfg:  # rl.check thresholds (also run at step 0 of training)
-    max_mean_abs_logprob_diff: float = 5e-2
-    max_kl: float = 1e-3
-    min_routing_agreement_with_replay: float = 1.0
+    max_mean_abs_logprob_diff: float | None = None  # None: by model.dtype (rl/check.py GATES)
+    max_kl: float | None = None  # KL(rollout || train), k3 estimator; None: by model.dtype
+    min_replayed_agreement: float = 1.0  # rows whose replayed forward used the engine's experts / blocks
+    min_agreement: float | None = None  # the trainer's own expert / block choice vs the engine's; None: by dtype
+    attribution: bool = False  # also the KL of variants that each remove one source of agreement (rl/attribution.py)
+    adapter: str | None = None  # a peft adapter directory to check instead of the fresh one (a final_adapter)
     batch_prompts: int = 4
 
 

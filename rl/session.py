@@ -5,6 +5,7 @@ checkpoints). `rl.train`, `rl.check` and the tests build a `Session`; nothing he
 
 import os
 import random
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -103,7 +104,7 @@ class Session:
             max_num_seqs=c.rollout.max_num_seqs, kv_cache_memory_bytes=c.rollout.kv_cache_memory_bytes,
             gpu_memory_utilization=c.rollout.gpu_memory_utilization, max_lora_rank=c.model.lora.rank,
             kv_cache_dtype=c.model.kv_cache_dtype, indexer_kv_dtype=c.model.indexer_kv_dtype,
-            capture_routing=c.actor.routing_replay, capture_blocks=c.actor.block_replay,
+            capture_routing=True, capture_blocks=True,  # replay or not, agreement is measured
             enable_prefix_caching=c.rollout.enable_prefix_caching, enforce_eager=c.rollout.enforce_eager,
             seed=c.trainer.seed))
 
@@ -115,11 +116,19 @@ class Session:
 
     def log(self, msg: str) -> None:
         if self.rank == 0:
-            print(f"[m3rl] {msg}", flush=True)
+            print(f"[m3rl] {msg}", file=sys.stderr, flush=True)  # stdout: the step lines and JSON results
 
     def barrier(self) -> None:
         if self.world > 1:
             torch.distributed.barrier()
+
+    def all_ranks(self, ok: bool) -> bool:
+        """True when `ok` holds on every rank: decisions that gate collectives (backward, sync) are taken together."""
+        if self.world == 1:
+            return bool(ok)
+        flag = torch.tensor([1.0 if ok else 0.0])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        return bool(flag.item())
 
     def all_gather(self, obj) -> list:
         if self.world == 1:
@@ -137,7 +146,16 @@ class Session:
     def sync_adapter(self) -> dict:
         """Send only the adapter to the engine, in memory; every rank must have installed the same bytes."""
         tensors, peft_cfg = self.adapter()
-        info = self.engine.load_adapter(tensors, peft_cfg)
+        try:
+            info, error = self.engine.load_adapter(tensors, peft_cfg), None
+        except Exception as e:  # noqa: BLE001  (reported to every rank below, then raised)
+            if self.world == 1:
+                raise
+            info, error = None, e
+        errors = {r: msg for r, msg in enumerate(self.all_gather(None if error is None else f"{type(error).__name__}: "
+                                                                 f"{error}")) if msg}
+        if errors:  # every rank stops, none waits in a collective for the one that failed
+            raise RuntimeError(f"adapter sync failed on rank(s) {sorted(errors)}: {errors}") from error
         if info["checksum"] != adapter_checksum(tensors):
             raise RuntimeError("adapter sync: the engine's checksum differs from the trainer's; stopping")
         ranks = self.all_gather(info["checksum"])

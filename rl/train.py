@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from rl.agreement import engine_agreement
 from rl.algorithm import grpo_advantages, policy_loss, train_rollout_kl
 from rl.batch import PackedBatch, pack_rollouts
 from rl.check import check_session
@@ -68,15 +69,17 @@ def score(s: Session, idx: list[int], groups: list) -> Scored:
     return out
 
 
-def forward(s: Session, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ForwardStats]:
-    """[B, L] trainer logprobs, rollout logprobs and response mask; the engine's choices replayed as configured."""
-    c, stats = s.cfg, ForwardStats()
-    replay = {"routing": batch.routing if c.actor.routing_replay else None,
-              "blocks": batch.blocks if c.actor.block_replay else None}
-    logprobs = s.model.token_logprobs(batch.input_ids, batch.cu_seqlens, batch.targets, stats=stats, **replay)
+def forward(s: Session, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """[B, L] trainer logprobs, rollout logprobs and response mask; the engine's choices replayed as configured; the
+    trainer's own choices' agreement with the engine's."""
+    replay = {"routing": s.cfg.actor.routing_replay, "blocks": s.cfg.actor.block_replay}
+    stats = ForwardStats(keep_choices=not all(replay.values()))  # own choices kept only where not replayed
+    logprobs = s.model.token_logprobs(batch.input_ids, batch.cu_seqlens, batch.targets, stats=stats,
+                                      routing=batch.routing if replay["routing"] else None,
+                                      blocks=batch.blocks if replay["blocks"] else None)
     lp, mask = batch.to_matrix(logprobs)
     old_lp, _ = batch.to_matrix(batch.rollout_logprobs)
-    return lp, old_lp, mask, stats
+    return lp, old_lp, mask, engine_agreement(s.model, stats, batch, replay)
 
 
 def advantages(s: Session, scored: Scored, mask: torch.Tensor) -> torch.Tensor:
@@ -96,12 +99,12 @@ def loss_of(s: Session, lp, old_lp, adv, mask) -> tuple[torch.Tensor, dict]:
 def update(s: Session, loss: torch.Tensor) -> float | None:
     """One optimizer step; None (and no step) when the loss or the gradient norm is not finite."""
     s.optimizer.zero_grad(set_to_none=True)
-    if not torch.isfinite(loss):
+    if not s.all_ranks(bool(torch.isfinite(loss))):  # backward is collective under FSDP: skip on every rank or none
         return None
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(s.params, s.cfg.actor.optim.grad_clip)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    if not torch.isfinite(grad_norm):
+    if not s.all_ranks(bool(torch.isfinite(grad_norm))):
         s.optimizer.zero_grad(set_to_none=True)
         return None
     s.optimizer.step()
@@ -109,7 +112,7 @@ def update(s: Session, loss: torch.Tensor) -> float | None:
     return float(grad_norm)
 
 
-def step_metrics(s: Session, scored: Scored, loss, loss_metrics: dict, kl: dict, stats: ForwardStats) -> dict:
+def step_metrics(s: Session, scored: Scored, loss, loss_metrics: dict, kl: dict, agreement: dict) -> dict:
     rewards = [x for part in s.all_gather(scored.rewards) for x in part]
     accs = [x for part in s.all_gather(scored.accs) for x in part]
     by_group = {}
@@ -121,8 +124,7 @@ def step_metrics(s: Session, scored: Scored, loss, loss_metrics: dict, kl: dict,
                "train_rollout/logprob_abs_diff_mean": kl["logprob_abs_diff_mean"],
                "is/ratio_mean": kl["is_ratio_mean"], "is/ratio_max": kl["is_ratio_max"],
                "is/capped_frac": kl["is_ratio_capped_frac"],
-               "agreement/routing": float(np.mean(list(stats.routing_agreement.values()) or [1.0])),
-               "agreement/blocks": float(np.mean(list(stats.block_agreement.values()) or [1.0])),
+               **{f"agreement/{k}": v for k, v in agreement.items()},  # the trainer's own choice vs the engine's
                "groups/mixed_frac": float(np.mean([len(v) > 1 for v in by_group.values()]))}
     metrics.update({f"verl/{k}": v for k, v in loss_metrics.items() if isinstance(v, float)})
     return metrics
@@ -135,9 +137,9 @@ def grpo_step(s: Session, step: int) -> dict:
     scored = score(s, idx, groups)
     t_score = time.perf_counter()
     batch = pack_rollouts(scored.rollouts)
-    lp, old_lp, mask, stats = forward(s, batch)
+    lp, old_lp, mask, agreement = forward(s, batch)
     loss, loss_metrics = loss_of(s, lp, old_lp, advantages(s, scored, mask), mask)
-    metrics = step_metrics(s, scored, loss, loss_metrics, train_rollout_kl(lp.detach(), old_lp, mask), stats)
+    metrics = step_metrics(s, scored, loss, loss_metrics, train_rollout_kl(lp.detach(), old_lp, mask), agreement)
     grad_norm = update(s, loss)
     t_train = time.perf_counter()
     if grad_norm is None:  # no update, no sync: the engine keeps the last good adapter
@@ -145,7 +147,7 @@ def grpo_step(s: Session, step: int) -> dict:
     sync = s.sync_adapter()
     t_sync = time.perf_counter()
     return {**metrics, "train/grad_norm": grad_norm, "train/skipped_nonfinite": 0.0, "sync/ms": sync["sync_ms"],
-            "sync/bytes": sync["bytes"], "sync/checksum": sync["checksum"],
+            "sync/verify_ms": sync["verify_ms"], "sync/bytes": sync["bytes"], "sync/checksum": sync["checksum"],
             "sync/rank_checksums": sync["rank_checksums"], "time/generate_s": t_gen - t0,
             "time/score_s": t_score - t_gen, "time/train_s": t_train - t_score, "time/sync_s": t_sync - t_train,
             "time/step_s": t_sync - t0}
@@ -163,8 +165,8 @@ def run(s: Session) -> dict:
                "data": s.data_stats, "resumed_from_step": start}
     if c.trainer.check_at_start and start == 0:
         summary["check_step0"] = check = check_session(s)
-        s.log("check: " + json.dumps({k: check[k] for k in ("weights_exact", "passed", "routing_agreement",
-                                                             "logprobs")}))
+        s.log("check: " + json.dumps({k: check[k] for k in ("passed", "failures", "weights_exact", "replayed")} |
+                                     {"with_replay": check["logprobs"]["with_replay"]}))
         if not check["passed"]:
             raise RuntimeError(f"rl.check failed at step 0: {json.dumps(check)}")
     summary["eval_before"] = s.evaluate() if s.rank == 0 else {}

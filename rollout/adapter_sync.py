@@ -14,6 +14,8 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from rollout.lora_layout import installed_slots
+
 # The LoRA ranks vLLM serves (its `MaxLoRARanks`; tests/rollout compares the two). Here, not in engine.py, so that
 # config validation can read it without importing vLLM.
 SERVED_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -175,6 +177,12 @@ class AdapterSyncExtension:
         if rank not in cache:
             cache[rank] = am.create_dummy_lora(lora_id, rank, {})
         return cache[rank]
+
+    def m3_adapter_slots(self, lora_id: int, rank: int, as_bytes: bool):
+        """This worker's LoRA buffer slices for `lora_id` (rollout.lora_layout keys); safetensors bytes across
+        processes (tensors in an RPC reply would arrive as lists)."""
+        slots = installed_slots(self.model_runner.lora_manager._adapter_manager, lora_id, rank)
+        return pack_adapter(slots) if as_bytes else slots
 
     def m3_installed_checksum(self, lora_id: int) -> str:
         return installed_checksum(self.model_runner.lora_manager._adapter_manager, lora_id)

@@ -15,8 +15,17 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import rollout.plugin
-from rollout.adapter_sync import SERVED_LORA_RANKS, AdapterError, adapter_checksum, check_finite, pack_adapter
+from m3.config import DTYPES
+from rollout.adapter_sync import (
+    SERVED_LORA_RANKS,
+    AdapterError,
+    adapter_checksum,
+    check_finite,
+    pack_adapter,
+    unpack_adapter,
+)
 from rollout.capture import decode_array
+from rollout.lora_layout import expected_slots, mismatches
 from rollout.plugin.lora import TARGET_MODULES
 
 ADAPTER_ID = 1  # the single, fixed LoRA id every request uses; swapped in place at each sync
@@ -124,8 +133,25 @@ class RolloutEngine:
         self.llm.reset_prefix_cache()  # cached KV was computed under the previous adapter
         self.adapter_loaded = True
         self.adapter_version += 1
-        return {"checksum": checksum, "installed_checksums": sorted(installed), "bytes": nbytes,
-                "sync_ms": (time.perf_counter() - t0) * 1e3, "install_ms": max(r["install_ms"] for r in results)}
+        sync_ms = (time.perf_counter() - t0) * 1e3
+        verified = self.verify_adapter(tensors, peft_config)
+        if not verified["installed_equals_held"]:
+            raise AdapterError("the adapter an engine worker installed differs from the one sent:\n  "
+                               + "\n  ".join(verified["mismatches"][:20]))
+        return {"checksum": checksum, "installed_checksums": sorted(installed), "bytes": nbytes, "sync_ms": sync_ms,
+                "install_ms": max(r["install_ms"] for r in results), "verify_ms": verified["verify_ms"]}
+
+    def verify_adapter(self, tensors: dict, peft_config: dict) -> dict:
+        """Installed == held: every worker reads back its LoRA buffer slices, compared bitwise with what the given
+        peft tensors must become there (rollout.lora_layout); mismatches name the vLLM module and buffer."""
+        t0 = time.perf_counter()
+        rank = int(peft_config["r"])
+        expected = expected_slots(tensors, rank, float(peft_config["lora_alpha"]) / rank, DTYPES[self.cfg.dtype])
+        replies = self.llm.collective_rpc("m3_adapter_slots", args=(ADAPTER_ID, rank, not self.in_process))
+        per_worker = [mismatches(expected, unpack_adapter(r) if not isinstance(r, dict) else r) for r in replies]
+        return {"installed_equals_held": not any(per_worker), "workers": len(per_worker),
+                "mismatches": [f"worker {w}: {m}" for w, ms in enumerate(per_worker) for m in ms],
+                "verify_ms": (time.perf_counter() - t0) * 1e3}
 
     def lora_request(self):
         if not self.adapter_loaded:
@@ -158,7 +184,12 @@ class RolloutEngine:
                                dtype=np.float32)
             group = []
             for i, c in enumerate(out.outputs):
-                cap = by_request.get(out.request_id if n == 1 else f"{c.index}_{out.request_id}", {})
+                rid = out.request_id if n == 1 else f"{c.index}_{out.request_id}"
+                cap = by_request.get(rid, {})
+                for key in self._captured_keys():  # replay needs every request's choices: never a silent None
+                    if key not in cap:
+                        raise RuntimeError(f"capture: no {key} for request {rid} (prompt {len(results)}, sample "
+                                           f"{c.index}); the trainer cannot replay the engine's choices for it")
                 lp = np.array([d[t].logprob for t, d in zip(c.token_ids, c.logprobs)], dtype=np.float32)
                 rows = len(out.prompt_token_ids) + len(c.token_ids) - 1
                 for key in ("routing", "blocks"):
@@ -169,6 +200,13 @@ class RolloutEngine:
                                      cap.get("routing"), cap.get("blocks")))
             results.append(group)
         return results
+
+    def _captured_keys(self) -> list[str]:
+        if not self.layout:
+            return []
+        wanted = {"routing": self.cfg.capture_routing and self.layout["moe_layers"],
+                  "blocks": self.cfg.capture_blocks and self.layout["sparse_layers"]}
+        return [k for k, on in wanted.items() if on]
 
     # -- memory ---------------------------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:

@@ -50,8 +50,11 @@ class LoRAConfig:
             raise ValueError(f"lora.dropout={self.dropout}: must be in [0, 1)")
 
 
-def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """vLLM's order: shrink in fp32, cast to x's dtype, expand with B*scaling rounded to x's dtype."""
+def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, plain: bool = False) -> torch.Tensor:
+    """vLLM's order: shrink in fp32, cast to x's dtype, expand with B*scaling rounded to x's dtype. `plain`: peft's
+    order instead (both GEMMs in x's dtype, then the scaling), what a trainer unaware of the engine computes."""
+    if plain:
+        return (x @ a.to(x.dtype).t()) @ b.to(x.dtype).t() * scaling
     h = (x.float() @ a.float().t()).to(x.dtype)
     return h @ (b.to(x.dtype) * scaling).to(x.dtype).t()
 
@@ -66,9 +69,10 @@ class LoRALinear(nn.Module):
         self.lora_A = nn.Parameter(torch.empty(cfg.rank, in_features))
         self.lora_B = nn.Parameter(torch.zeros(out_features, cfg.rank))  # peft's init: the adapter starts at 0
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.plain_precision = False  # rl.attribution's "plain LoRA" variant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + lora_delta(self.dropout(x), self.lora_A, self.lora_B, self.scaling)
+        return self.base(x) + lora_delta(self.dropout(x), self.lora_A, self.lora_B, self.scaling, self.plain_precision)
 
 
 class ExpertLoRA(nn.Module):
@@ -84,12 +88,13 @@ class ExpertLoRA(nn.Module):
         for a in (self.gate_up_A, self.down_A):
             for e in range(num_experts):
                 nn.init.kaiming_uniform_(a[e], a=math.sqrt(5))
+        self.plain_precision = False  # rl.attribution's "plain LoRA" variant (the per-expert path)
 
     def gate_up(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        return lora_delta(x, self.gate_up_A[e], self.gate_up_B[e], self.scaling)
+        return lora_delta(x, self.gate_up_A[e], self.gate_up_B[e], self.scaling, self.plain_precision)
 
     def down(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        return lora_delta(x, self.down_A[e], self.down_B[e], self.scaling)
+        return lora_delta(x, self.down_A[e], self.down_B[e], self.scaling, self.plain_precision)
 
     def gate_up_grouped(self, x: torch.Tensor, offsets: torch.Tensor, impl: str = "auto") -> torch.Tensor:
         """Every expert's gate_up delta at once: x [R, H] sorted by expert, rows of e at offsets[e]:offsets[e+1]."""

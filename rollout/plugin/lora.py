@@ -36,16 +36,8 @@ from vllm.models.minimax_m3.nvidia.model import (  # noqa: E402
     MiniMaxM3SparseForConditionalGeneration,
 )
 
-QKV_SHARDS = ["q_proj", "k_proj", "v_proj", "index_q_proj", "index_k_proj"]
-LORA_PACKED_MODULES = {"qkv_proj": QKV_SHARDS, "gate_up_proj": ["gate_up_proj"]}
-# transformers/peft names -> vLLM module names (reverse of transformers' minimax_m3_vl checkpoint conversion).
-PEFT_TO_VLLM_SUBSTR = {
-    ".self_attn.indexer.q_proj.": ".self_attn.index_q_proj.",
-    ".self_attn.indexer.k_proj.": ".self_attn.index_k_proj.",
-    ".mlp.experts.": ".block_sparse_moe.experts.",
-    ".mlp.shared_experts.": ".block_sparse_moe.shared_experts.",
-    ".mlp.gate.": ".block_sparse_moe.gate.",
-}
+from rollout.lora_layout import LORA_PACKED_MODULES, PEFT_TO_VLLM_SUBSTR, QKV_SHARDS  # noqa: E402
+
 # The modules an adapter may target (vLLM `lora_target_modules` suffixes); the router gate is never adapted.
 TARGET_MODULES = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "experts"]
 

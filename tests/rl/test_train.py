@@ -60,7 +60,7 @@ def test_two_step_smoke_run(session):
                 "sync/ms", "sync/bytes", "time/generate_s", "time/score_s", "time/train_s", "time/sync_s"):
         assert all(key in r for r in rows), key
     check = summary["check_step0"]
-    assert check["passed"] and check["weights_exact"] and check["routing_agreement"]["with_replay"] == 1.0
+    assert check["passed"] and check["weights_exact"] and check["replayed"] == {"routing": 1.0, "blocks": 1.0}
     assert (run / "summary.json").is_file() and (run / "config.yaml").is_file()
     assert (run / "checkpoints" / "step_000002" / "adapter" / "adapter_model.safetensors").is_file()
     assert (Path(summary["final_adapter"]) / "adapter_config.json").is_file()

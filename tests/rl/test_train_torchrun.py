@@ -1,6 +1,7 @@
 """rl.train under torchrun with 2 CPU processes (gloo): FSDP2-sharded LoRA and base (actor.fsdp_config.shard_base),
 one engine per rank serving its share of the prompts, and after every step both ranks' engines hold byte-identical
-adapters (same checksum)."""
+adapters (same checksum). Faults on one rank only (tests/rl/torchrun_faults.py) are decided by both ranks together:
+a non-finite loss skips the step on both, a failed adapter sync stops both; neither hangs."""
 
 import json
 import os
@@ -21,14 +22,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun(module_args: list[str], timeout: int = 900) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), *module_args]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def test_two_process_run_keeps_identical_adapters_on_both_ranks(tmp_path):
     model_dir = ensure_tiny_model(dtype="float32").vllm
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "-m", "rl.train",
-           *fast_overrides(tmp_path / "run", model_dir), "data.train_batch_size=4",
-           "actor.fsdp_config.shard_base=true"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    p = torchrun(["-m", "rl.train", *fast_overrides(tmp_path / "run", model_dir), "data.train_batch_size=4",
+                  "actor.fsdp_config.shard_base=true"])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["world_size"] == 2
@@ -37,3 +41,20 @@ def test_two_process_run_keeps_identical_adapters_on_both_ranks(tmp_path):
     for r in rows:
         assert len(r["sync/rank_checksums"]) == 2 and len(set(r["sync/rank_checksums"])) == 1
         assert r["sync/checksum"] == r["sync/rank_checksums"][0]
+
+
+def test_faults_on_one_rank_are_decided_by_both(tmp_path):
+    model_dir = ensure_tiny_model(dtype="float32").vllm
+    run = tmp_path / "nan"
+    p = torchrun(["tests/rl/torchrun_faults.py", "nonfinite_loss", *fast_overrides(run, model_dir, steps=3),
+                  "data.train_batch_size=4"])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/skipped_nonfinite"] for r in rows] == [0.0, 1.0, 0.0]  # rank 0's loss was finite at step 2
+    assert len(set(rows[2]["sync/rank_checksums"])) == 1
+
+    p = torchrun(["tests/rl/torchrun_faults.py", "sync", *fast_overrides(tmp_path / "sync", model_dir),
+                  "data.train_batch_size=4"], timeout=600)
+    assert p.returncode != 0
+    out = p.stdout + p.stderr
+    assert out.count("adapter sync failed on rank(s) [1]") >= 2, out[-3000:]  # raised on both ranks

@@ -1,6 +1,7 @@
 """The trainer model against the real engine serving the same checkpoint with the same adapter.
 
-fp32 tolerance: 1e-3 max |delta logprob| on a 32-token and a 700-token prompt (MSA keeps a strict subset there).
+fp32 tolerance: 1e-4 max |delta logprob| (measured ~1e-5) on a 32-token and a 700-token prompt (MSA keeps a
+strict subset there).
 Routing/block agreement is reported; with replay of the engine's choices it is 100%.
 """
 
@@ -64,7 +65,7 @@ def test_trainer_logprobs_equal_engine_with_the_same_adapter(setup, rollouts, n)
     delta = (lp - engine_lp).abs()
     print(f"n={n}: max |delta| {delta.max():.2e}, routing agreement {stats.routing_agreement}, "
           f"block agreement {stats.block_agreement}")
-    assert delta.max() <= 1e-3
+    assert delta.max() <= 1e-4
     assert set(stats.routing_agreement) == {1, 2, 3} and set(stats.block_agreement) == {1, 2, 3}
 
 
@@ -74,7 +75,7 @@ def test_replay_of_engine_choices_gives_full_agreement(setup, rollouts, n):
     r = rollouts[n]
     lp, stats = trainer_logprobs(model, r, routing=r.routed_experts, blocks=r.block_ids)
     engine_lp = torch.from_numpy(np.concatenate([r.prompt_logprobs, r.logprobs]))
-    assert (lp - engine_lp).abs().max() <= 1e-3
+    assert (lp - engine_lp).abs().max() <= 1e-4
     assert all(v == 1.0 for v in stats.routing_agreement.values())
     assert all(v == 1.0 for v in stats.block_agreement.values())
 
@@ -97,7 +98,7 @@ def test_saved_adapter_is_peft_format_vllm_and_peft_load(setup, rollouts, tmp_pa
     if model.mcfg.base == "bf16":  # transformers holds the unquantized weights: comparable on that base only
         peft_model = PeftModel.from_pretrained(load_reference(paths.hf), str(out))
         ref = teacher_forced(peft_model, ids).token_logprobs(ids)
-        assert (ref - file_lp).abs().max() <= 1e-3  # peft reads the same adapter the same way
+        assert (ref - file_lp).abs().max() <= 1e-4  # peft reads the same adapter the same way
 
 
 def test_only_lora_parameters_get_gradients(setup, rollouts):

@@ -1,0 +1,95 @@
+"""Where each adapter tensor sits in vLLM's LoRA buffers, read from both ends for the installed == held check.
+
+The trainer holds the adapter as peft tensors; a vLLM worker holds it as slices of its LoRA wrappers' stacked
+buffers (`lora_a_stacked` / `lora_b_stacked` per output slice; `w13_*` / `w2_*` [experts, ...] for routed experts),
+with B pre-multiplied by alpha/r in the LoRA dtype. `expected_slots` builds what those slices must hold from the
+peft tensors with this module's own mapping (not vLLM's packing code); `installed_slots` reads them back from a
+worker. Keys are `vllm_module|buffer|slice`. No vLLM import: the worker side only reads attributes.
+"""
+
+import torch
+
+# The sparse layers' fused projection packs 5 shards; dense layers' qkv the first 3.
+QKV_SHARDS = ["q_proj", "k_proj", "v_proj", "index_q_proj", "index_k_proj"]
+LORA_PACKED_MODULES = {"qkv_proj": QKV_SHARDS, "gate_up_proj": ["gate_up_proj"]}
+# transformers/peft names -> vLLM module names (reverse of transformers' minimax_m3_vl checkpoint conversion).
+PEFT_TO_VLLM_SUBSTR = {
+    ".self_attn.indexer.q_proj.": ".self_attn.index_q_proj.",
+    ".self_attn.indexer.k_proj.": ".self_attn.index_k_proj.",
+    ".mlp.experts.": ".block_sparse_moe.experts.",
+    ".mlp.shared_experts.": ".block_sparse_moe.shared_experts.",
+    ".mlp.gate.": ".block_sparse_moe.gate.",
+}
+PEFT_PREFIX = "base_model.model."
+_VL_PREFIX = "language_model."  # the VL wrapper's text model; keys use the text model's names
+_LINEAR = ("lora_a_stacked", "lora_b_stacked")
+_EXPERTS = ("w13_lora_a_stacked", "w13_lora_b_stacked", "w2_lora_a_stacked", "w2_lora_b_stacked")
+
+
+def _vllm_module(path: str) -> str:
+    path = f"{path}."
+    for old, new in PEFT_TO_VLLM_SUBSTR.items():
+        path = path.replace(old, new)
+    return path[:-1]
+
+
+def expected_slots(peft: dict[str, torch.Tensor], rank: int, scaling: float,
+                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """What each buffer slice must hold for these peft tensors: A as given, B * scaling, both in the LoRA dtype
+    (vLLM loads the tensors in that dtype, then scales B in place)."""
+    out = {}
+    for name, t in peft.items():
+        path, kind = name.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)
+        is_b = kind == "B.weight"
+        t = t.detach().to(dtype)
+        if is_b:
+            t = t * scaling
+        if path.endswith(".mlp.experts.base_layer") or path.endswith(".mlp.experts"):
+            gate_up = path.endswith(".base_layer")
+            module = _vllm_module(path.removesuffix(".base_layer"))
+            # peft's 3D format: A [E*r, in] expert-major rows; B [out, r*E] with the expert index fastest
+            t = t.reshape(t.shape[0], rank, -1).permute(2, 0, 1) if is_b else t.reshape(-1, rank, t.shape[1])
+            out[f"{module}|{'w13' if gate_up else 'w2'}_lora_{'b' if is_b else 'a'}_stacked|0"] = t
+            continue
+        module, shard = _vllm_module(path).rsplit(".", 1)
+        packed = next(((p, s.index(shard)) for p, s in LORA_PACKED_MODULES.items() if shard in s), None)
+        name_, index = (f"{module}.{packed[0]}", packed[1]) if packed else (f"{module}.{shard}", 0)
+        out[f"{name_}|lora_{'b' if is_b else 'a'}_stacked|{index}"] = t
+    return out
+
+
+def installed_slots(adapter_manager, lora_id: int, rank: int) -> dict[str, torch.Tensor]:
+    """The slices of every LoRA buffer this worker holds for `lora_id`, trimmed to the adapter's rank."""
+    slot = adapter_manager.lora_index_to_id.index(lora_id)
+    out = {}
+    for name in sorted(adapter_manager.modules):
+        module, key = adapter_manager.modules[name], name.removeprefix(_VL_PREFIX)
+        if hasattr(module, "w13_lora_a_stacked"):  # routed experts (its lora_*_stacked are views of these)
+            for attr in _EXPERTS:
+                buf = getattr(module, attr)[0][slot]  # [E, r, in] (A) or [E, out, r] (B)
+                out[f"{key}|{attr}|0"] = buf[:, :rank] if "_a_" in attr else buf[..., :rank]
+            continue
+        for attr in _LINEAR:
+            for i, buf in enumerate(getattr(module, attr, None) or ()):
+                b = buf[slot, 0]  # A [r, in], B [out, r]
+                out[f"{key}|{attr}|{i}"] = b[:rank] if attr == "lora_a_stacked" else b[:, :rank]
+    return out
+
+
+def mismatches(expected: dict[str, torch.Tensor], installed: dict[str, torch.Tensor]) -> list[str]:
+    """Every buffer slice where the two differ (bitwise), by vLLM module; slices the adapter does not set must be
+    zero (vLLM resets a slot before installing)."""
+    out = []
+    for key in sorted(set(expected) | set(installed)):
+        want, got = expected.get(key), installed.get(key)
+        if got is None:
+            out.append(f"{key}: the engine has no such LoRA buffer")
+        elif want is None:
+            if got.count_nonzero():
+                out.append(f"{key}: nonzero in the engine, absent from the trainer's adapter")
+        elif tuple(want.shape) != tuple(got.shape):
+            out.append(f"{key}: shape {tuple(got.shape)} in the engine, {tuple(want.shape)} in the trainer")
+        elif not torch.equal(want.to(got.device, got.dtype), got):
+            diff = (want.to(got.device, torch.float32) - got.float()).abs()
+            out.append(f"{key}: {int((diff > 0).sum())} values differ (max |d| {float(diff.max()):.3g})")
+    return out
