@@ -69,8 +69,9 @@ class WarmupCfg:  # the embedded default only: supervised warm-up of the tiny mo
     max_steps: int = 800
     batch_size: int = 64
     lr: float = 3e-3
-    eval_every: int = 5  # the eval is one teacher-forced forward over 200 problems: cheap, so the stop lands near
-    # the target on every seed (at 25 the stop overshot to 0.50-0.67 by seed, and RL's headroom varied with it)
+    eval_every: int = 5  # near the target, so the stop lands near it on every seed (checked every 25 steps, the stop
+    # overshot to 0.50-0.67 by seed, and RL's headroom varied with it)
+    coarse_eval_every: int = 25  # while the last eval is below a third of the target (before grokking); ~0.5 s each
     # Stop at the first eval at or above this. Measured (results/make_train_cpu.json): from 0.25 (mid-grokking) 40
     # GRPO steps moved pass@1 by < 0.1; from 0.45-0.5 the sampled policy sharpens towards its pass@k (~0.8).
     target_sampled_acc: float = 0.45

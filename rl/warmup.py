@@ -88,7 +88,7 @@ def build_builtin_model(cfg, train_rows, eval_rows, log=print) -> tuple[Path, di
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if step % w.eval_every == 0:
+        if step % (w.eval_every if acc >= w.target_sampled_acc / 3 else w.coarse_eval_every) == 0:
             model.eval()
             acc = expected_sampled_accuracy(model, evals)
             model.train()
