@@ -10,6 +10,21 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 from verl.trainer.ppo import core_algos
+from verl.trainer.ppo.rollout_corr_helper import SUPPORTED_ROLLOUT_RS_OPTIONS
+
+
+def check_algorithm_config(algo_cfg) -> None:
+    """Values verl would reject mid-run, checked before any heavy work with verl's own code and lists."""
+    try:
+        core_algos.agg_loss(torch.zeros(1, 1), torch.ones(1, 1), algo_cfg.loss_agg_mode)
+    except ValueError:
+        raise ValueError(f"algorithm.loss_agg_mode={algo_cfg.loss_agg_mode!r}: verl's agg_loss takes token-mean, "
+                         "token-sum, seq-mean-token-sum, seq-mean-token-sum-norm or seq-mean-token-mean") from None
+    rs = algo_cfg.rollout_correction.rollout_rs
+    unknown = [o.strip() for o in (rs or "").split(",") if o.strip() not in SUPPORTED_ROLLOUT_RS_OPTIONS]
+    if rs is not None and unknown:
+        raise ValueError(f"algorithm.rollout_correction.rollout_rs={rs!r}: {unknown} not among verl's options "
+                         f"{sorted(SUPPORTED_ROLLOUT_RS_OPTIONS)}")
 
 
 def grpo_advantages(rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: np.ndarray,

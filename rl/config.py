@@ -214,6 +214,13 @@ def validate(cfg) -> None:
         raise ValueError(f"actor.optim.lr_warmup_steps={cfg.actor.optim.lr_warmup_steps}: must be >= 0")
     if cfg.rollout.n < 2:
         raise ValueError("rollout.n must be >= 2: GRPO needs groups to compute advantages")
+    for key in ("trainer.save_freq", "trainer.max_nan_steps"):
+        if OmegaConf.select(cfg, key) < 1:
+            raise ValueError(f"{key}={OmegaConf.select(cfg, key)}: must be >= 1")
+    LoRAConfig(**OmegaConf.to_container(cfg.model.lora)).validate()
+    from rl.algorithm import check_algorithm_config  # imports verl (seconds): only when a run is validated
+
+    check_algorithm_config(cfg.algorithm)
     if cfg.model.lora.rank not in SERVED_LORA_RANKS:
         raise ValueError(f"model.lora.rank={cfg.model.lora.rank}: vLLM serves {list(SERVED_LORA_RANKS)}")
 

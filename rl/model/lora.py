@@ -24,6 +24,8 @@ from torch import nn
 from quant.kernels.grouped import grouped_mm, grouped_mm_t
 
 PEFT_PREFIX = "base_model.model."
+# transformers module names LoRA can target; q_proj/k_proj also match the indexer's (self_attn.indexer.{q,k}_proj)
+TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]
 
 
 @dataclass
@@ -31,9 +33,7 @@ class LoRAConfig:
     rank: int = 32
     alpha: float = 64.0
     dropout: float = 0.0
-    # transformers module names; q_proj/k_proj also match the indexer's (self_attn.indexer.{q,k}_proj)
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
-                                                                "gate_up_proj", "down_proj"])
+    target_modules: list[str] = field(default_factory=lambda: list(TARGET_MODULES))
     target_experts: bool = True
     # The indexer's projections only choose MSA blocks (a discrete top-k), so a token-level loss gives their LoRA
     # no gradient; adapting them changes nothing during RL unless another loss trains them. Kept configurable.
@@ -48,6 +48,8 @@ class LoRAConfig:
             raise ValueError(f"lora.rank={self.rank}: must be >= 1 (the engine serves fewer: rl/config.py checks)")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"lora.dropout={self.dropout}: must be in [0, 1)")
+        if unknown := sorted(set(self.target_modules) - set(TARGET_MODULES)):  # a typo would adapt nothing
+            raise ValueError(f"lora.target_modules: {unknown} name no projection; the targets are {TARGET_MODULES}")
 
 
 def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, plain: bool = False) -> torch.Tensor:

@@ -101,6 +101,11 @@ def test_unknown_or_mistyped_keys_fail_at_composition(override, message):
 @pytest.mark.parametrize("override,message", [
     ("rollout.n=1", "rollout.n must be >= 2"),
     ("model.lora.rank=24", "model.lora.rank=24"),
+    ("trainer.save_freq=0", "trainer.save_freq=0: must be >= 1"),
+    ("trainer.max_nan_steps=0", "trainer.max_nan_steps=0: must be >= 1"),
+    ("algorithm.loss_agg_mode=token-avg", "algorithm.loss_agg_mode='token-avg'"),
+    ("algorithm.rollout_correction.rollout_rs=token_k9", r"\['token_k9'\] not among verl's options"),
+    ("model.lora.target_modules=[q_proj,qproj]", r"\['qproj'\] name no projection"),
     ("algorithm.rollout_correction.bypass_mode=false", "bypass_mode=false"),
     ("actor.ppo_mini_batch_size=3", "one optimizer step per batch"),
 ])
