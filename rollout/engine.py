@@ -176,7 +176,7 @@ class RolloutEngine:
         captured = self.llm.collective_rpc("m3_pop_capture")[0] if self.layout else {}
         by_request = {rid.rsplit("-", 1)[0]: {k: decode_array(a) for k, a in v.items()}  # drop vLLM's id suffix
                       for rid, v in captured.items()}
-        results = []
+        results, wanted = [], self._captured_keys()
         for out in outs:
             plp = None
             if prompt_logprobs:
@@ -185,15 +185,15 @@ class RolloutEngine:
             group = []
             for i, c in enumerate(out.outputs):
                 rid = out.request_id if n == 1 else f"{c.index}_{out.request_id}"
-                cap = by_request.get(rid, {})
-                for key in self._captured_keys():  # replay needs every request's choices: never a silent None
-                    if key not in cap:
-                        raise RuntimeError(f"capture: no {key} for request {rid} (prompt {len(results)}, sample "
-                                           f"{c.index}); the trainer cannot replay the engine's choices for it")
                 lp = np.array([d[t].logprob for t, d in zip(c.token_ids, c.logprobs)], dtype=np.float32)
                 rows = len(out.prompt_token_ids) + len(c.token_ids) - 1
-                for key in ("routing", "blocks"):
-                    if key in cap and len(cap[key]) != rows:
+                cap = {}  # only the kinds this engine captures: replay needs each for every request
+                for key in wanted:
+                    if rid not in by_request or key not in by_request[rid]:
+                        raise RuntimeError(f"capture: no {key} for request {rid} (prompt {len(results)}, sample "
+                                           f"{c.index}); the trainer cannot replay the engine's choices for it")
+                    cap[key] = by_request[rid][key]
+                    if len(cap[key]) != rows:
                         raise RuntimeError(f"captured {key} for request {out.request_id} has {len(cap[key])} "
                                            f"rows, expected {rows}")
                 group.append(Rollout(list(out.prompt_token_ids), list(c.token_ids), lp, c.finish_reason, plp,
