@@ -127,7 +127,6 @@ class RolloutEngine:
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         results = self.llm.collective_rpc("m3_install_adapter", args=(payload, dict(peft_config), ADAPTER_ID,
                                                                       checksum))
-        installed = {r["installed_checksum"] for r in results}
         if any(r["received_checksum"] != checksum for r in results):
             raise AdapterError("an engine worker installed different adapter bytes than were sent")
         self.llm.reset_prefix_cache()  # cached KV was computed under the previous adapter
@@ -138,7 +137,7 @@ class RolloutEngine:
         if not verified["installed_equals_held"]:
             raise AdapterError("the adapter an engine worker installed differs from the one sent:\n  "
                                + "\n  ".join(verified["mismatches"][:20]))
-        return {"checksum": checksum, "installed_checksums": sorted(installed), "bytes": nbytes, "sync_ms": sync_ms,
+        return {"checksum": checksum, "workers": len(results), "bytes": nbytes, "sync_ms": sync_ms,
                 "install_ms": max(r["install_ms"] for r in results), "verify_ms": verified["verify_ms"]}
 
     def verify_adapter(self, tensors: dict, peft_config: dict) -> dict:

@@ -22,7 +22,7 @@ def test_multiprocess_adapter_sync_and_capture(mp_engine):
     engine, reference, adapter_dir = mp_engine
     peft_model, tensors, cfg = make_adapter(reference, adapter_dir, seed=2)
     info = engine.load_adapter(tensors, cfg)
-    assert info["bytes"] > 0 and len(info["installed_checksums"]) == 1
+    assert info["bytes"] > 0 and info["workers"] == 1
     r = run_and_compare(engine, peft_model, prompt_ids(SHORT, seed=21), greedy=False)
     assert r["prompt_delta"].max() <= 1e-3 and r["new_delta"].max() <= 1e-3
     rollout = r["rollout"]
