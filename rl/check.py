@@ -32,10 +32,12 @@ register()
 
 
 # Gates by model dtype (check.* = null picks these), from results/check_embedded_default.json (the embedded default
-# with seed 0's trained adapter, CPU engine): fp32 mean |dlogprob| 5.6e-7, KL(k3) 1.5e-12, expert and block choices
-# 100% equal; bf16 mean |dlogprob| 2.7e-3, KL 6.4e-5 (bf16 rounding in different op orders), choices 100% equal.
+# with the 40-step run's adapter, CPU engine, 256 response tokens): fp32 mean |dlogprob| 4e-7, KL(k3) 1.4e-12; bf16
+# mean |dlogprob| 1.6e-4, KL 1.4e-6 (3e-7 with the NVFP4 KV cache, 2.9e-6 with a fresh adapter); expert choices
+# >= 0.999 equal in bf16 (near ties), 1.0 in fp32. The bf16 KL gate sits between that and the smallest removed source
+# (the plain-dequantized base, KL 1.6e-5).
 GATES = {"float32": {"max_mean_abs_logprob_diff": 1e-4, "max_kl": 1e-6, "min_agreement": 1.0},
-         "bfloat16": {"max_mean_abs_logprob_diff": 1e-2, "max_kl": 5e-4, "min_agreement": 0.95}}
+         "bfloat16": {"max_mean_abs_logprob_diff": 1e-3, "max_kl": 1e-5, "min_agreement": 0.99}}
 
 
 def setup_mismatches(engine_cfg, model_cfg) -> list[str]:

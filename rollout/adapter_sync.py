@@ -4,7 +4,9 @@ Sender side (trainer / engine client): `pack_adapter(tensors)` -> safetensors by
 Worker side: `AdapterSyncExtension` is vLLM's `worker_extension_cls`; its methods run in every worker through
 `collective_rpc`. `m3_install_adapter` validates the adapter completely (rank, module names, every slice's shape
 against the model) before touching the engine, swaps it in under a fixed id, and restores the previous adapter
-if installing fails, so a bad adapter never leaves the engine without one.
+if installing fails, so a bad adapter never leaves the engine without one. It then reads its LoRA buffer slices
+back and compares them bitwise with what the received (= sent, by checksum) tensors must become there
+(rollout.lora_layout): installed == held on every sync, in the same call, with nothing sent back.
 """
 
 import hashlib
@@ -14,7 +16,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from rollout.lora_layout import installed_slots
+from rollout.lora_layout import expected_slots, installed_slots, mismatches
 
 # The LoRA ranks vLLM serves (its `MaxLoRARanks`; tests/rollout compares the two). Here, not in engine.py, so that
 # config validation can read it without importing vLLM.
@@ -133,6 +135,12 @@ class AdapterSyncExtension:
         mgr = self.model_runner.lora_manager
         am = mgr._adapter_manager
         helper = PEFTHelper.from_dict(dict(peft_config))
+        # What the slots must hold, by rollout.lora_layout's mapping (not vLLM's packing code), from the received
+        # tensors (= the trainer's, by the checksum above), built before vLLM scales B in place.
+        t_verify = time.perf_counter()
+        rank = int(peft_config["r"])
+        expected = expected_slots(tensors, rank, float(peft_config["lora_alpha"]) / rank, mgr.lora_config.lora_dtype)
+        verify_s = time.perf_counter() - t_verify
         try:
             helper.validate_legal(mgr.lora_config)
         except ValueError as e:
@@ -168,7 +176,10 @@ class AdapterSyncExtension:
                 am._registered_adapters[lora_id] = previous
                 am.activate_adapter(lora_id)
             raise
-        return {"received_checksum": received,
+        t_verify = time.perf_counter()
+        found = mismatches(expected, installed_slots(am, lora_id, rank))  # installed == held, bitwise
+        verify_s += time.perf_counter() - t_verify
+        return {"received_checksum": received, "mismatches": found, "verify_ms": verify_s * 1e3,
                 "install_ms": (time.perf_counter() - t0) * 1e3}
 
     def _m3_expected_adapter(self, am, lora_id: int, rank: int):

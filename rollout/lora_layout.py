@@ -7,6 +7,9 @@ peft tensors with this module's own mapping (not vLLM's packing code); `installe
 worker. Keys are `vllm_module|buffer|slice`. No vLLM import: the worker side only reads attributes.
 """
 
+from functools import lru_cache
+
+import numpy as np
 import torch
 
 # The sparse layers' fused projection packs 5 shards; dense layers' qkv the first 3.
@@ -33,28 +36,34 @@ def _vllm_module(path: str) -> str:
     return path[:-1]
 
 
+@lru_cache(maxsize=None)
+def _slot_of(name: str) -> tuple[str, bool, bool]:
+    """peft tensor name -> (buffer key, is B, is a routed-experts 3D tensor); names repeat every sync."""
+    path, kind = name.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)
+    is_b = kind == "B.weight"
+    if path.endswith(".mlp.experts.base_layer") or path.endswith(".mlp.experts"):
+        gate_up = path.endswith(".base_layer")
+        module = _vllm_module(path.removesuffix(".base_layer"))
+        return f"{module}|{'w13' if gate_up else 'w2'}_lora_{'b' if is_b else 'a'}_stacked|0", is_b, True
+    module, shard = _vllm_module(path).rsplit(".", 1)
+    packed = next(((p, s.index(shard)) for p, s in LORA_PACKED_MODULES.items() if shard in s), None)
+    name_, index = (f"{module}.{packed[0]}", packed[1]) if packed else (f"{module}.{shard}", 0)
+    return f"{name_}|lora_{'b' if is_b else 'a'}_stacked|{index}", is_b, False
+
+
 def expected_slots(peft: dict[str, torch.Tensor], rank: int, scaling: float,
                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """What each buffer slice must hold for these peft tensors: A as given, B * scaling, both in the LoRA dtype
     (vLLM loads the tensors in that dtype, then scales B in place)."""
     out = {}
     for name, t in peft.items():
-        path, kind = name.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)
-        is_b = kind == "B.weight"
+        key, is_b, experts = _slot_of(name)
         t = t.detach().to(dtype)
         if is_b:
             t = t * scaling
-        if path.endswith(".mlp.experts.base_layer") or path.endswith(".mlp.experts"):
-            gate_up = path.endswith(".base_layer")
-            module = _vllm_module(path.removesuffix(".base_layer"))
-            # peft's 3D format: A [E*r, in] expert-major rows; B [out, r*E] with the expert index fastest
+        if experts:  # peft's 3D format: A [E*r, in] expert-major rows; B [out, r*E] with the expert index fastest
             t = t.reshape(t.shape[0], rank, -1).permute(2, 0, 1) if is_b else t.reshape(-1, rank, t.shape[1])
-            out[f"{module}|{'w13' if gate_up else 'w2'}_lora_{'b' if is_b else 'a'}_stacked|0"] = t
-            continue
-        module, shard = _vllm_module(path).rsplit(".", 1)
-        packed = next(((p, s.index(shard)) for p, s in LORA_PACKED_MODULES.items() if shard in s), None)
-        name_, index = (f"{module}.{packed[0]}", packed[1]) if packed else (f"{module}.{shard}", 0)
-        out[f"{name_}|lora_{'b' if is_b else 'a'}_stacked|{index}"] = t
+        out[key] = t
     return out
 
 
@@ -76,20 +85,31 @@ def installed_slots(adapter_manager, lora_id: int, rank: int) -> dict[str, torch
     return out
 
 
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit patterns equal (-0.0 != 0.0; a NaN equals the same NaN). numpy on CPU: torch.equal is 3x slower there."""
+    a, b = a.view(_SAME_SIZE_INT[a.element_size()]), b.view(_SAME_SIZE_INT[b.element_size()])
+    if a.device.type == "cpu":
+        return bool(np.array_equal(a.numpy(), b.numpy()))
+    return torch.equal(a, b)
+
+
 def mismatches(expected: dict[str, torch.Tensor], installed: dict[str, torch.Tensor]) -> list[str]:
     """Every buffer slice where the two differ (bitwise), by vLLM module; slices the adapter does not set must be
     zero (vLLM resets a slot before installing)."""
     out = []
-    for key in sorted(set(expected) | set(installed)):
+    for key in sorted(expected.keys() | installed.keys()):
         want, got = expected.get(key), installed.get(key)
         if got is None:
             out.append(f"{key}: the engine has no such LoRA buffer")
         elif want is None:
             if got.count_nonzero():
                 out.append(f"{key}: nonzero in the engine, absent from the trainer's adapter")
-        elif tuple(want.shape) != tuple(got.shape):
+        elif want.shape != got.shape:
             out.append(f"{key}: shape {tuple(got.shape)} in the engine, {tuple(want.shape)} in the trainer")
-        elif not torch.equal(want.to(got.device, got.dtype), got):
+        elif not _bitwise_equal(want.to(got.device, got.dtype), got):
             diff = (want.to(got.device, torch.float32) - got.float()).abs()
-            out.append(f"{key}: {int((diff > 0).sum())} values differ (max |d| {float(diff.max()):.3g})")
+            out.append(f"{key}: {int((diff != 0).sum())} values differ (max |d| {float(diff.max()):.3g})")
     return out

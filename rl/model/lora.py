@@ -3,7 +3,8 @@ loaded in peft's format with the exact names and shapes vLLM's loader accepts fo
 
 vLLM adds `B(Ax)` beside the quantized base GEMM: the shrink `x @ A^T` accumulates in an fp32 buffer, the buffer is
 cast to the activation dtype, and the expand uses B pre-scaled by alpha/r in the LoRA dtype (`lora_b *= scaling`
-in `LoRALayerWeights.optimize`). We never fold the delta into the weight (peft does for MoE experts), which a
+in `LoRALayerWeights.optimize`). The engine holds A and B in the model dtype (the adapter is synced in it), so the
+trainer rounds its (fp32) masters to that dtype in the forward as well. We never fold the delta into the weight (peft does for MoE experts), which a
 quantized base could not hold and which is not what the engine computes.
 
 peft names (transformers' minimax_m3_vl module paths, `base_model.model.` prefix):
@@ -53,11 +54,13 @@ class LoRAConfig:
 
 
 def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, plain: bool = False) -> torch.Tensor:
-    """vLLM's order: shrink in fp32, cast to x's dtype, expand with B*scaling rounded to x's dtype. `plain`: peft's
-    order instead (both GEMMs in x's dtype, then the scaling), what a trainer unaware of the engine computes."""
+    """vLLM's order: A as the engine holds it (x's dtype), shrink in fp32, cast to x's dtype, expand with B*scaling
+    rounded to x's dtype. `plain`: peft's order on the trainer's masters instead (A and B in their own dtype, the
+    GEMMs in the promoted dtype, then the scaling), what a trainer unaware of the engine computes."""
     if plain:
-        return (x @ a.to(x.dtype).t()) @ b.to(x.dtype).t() * scaling
-    h = (x.float() @ a.float().t()).to(x.dtype)
+        dt = torch.promote_types(x.dtype, a.dtype)  # peft casts x to the adapter's dtype (fp32 masters: fp32)
+        return ((x.to(dt) @ a.to(dt).t()) @ b.to(dt).t() * scaling).to(x.dtype)
+    h = (x.float() @ a.to(x.dtype).float().t()).to(x.dtype)
     return h @ (b.to(x.dtype) * scaling).to(x.dtype).t()
 
 
@@ -111,9 +114,8 @@ class _GroupedLoRADelta(torch.autograd.Function):
     loop over experts whose per-expert parameter slices cost a full-size zero gradient each in backward.
 
     Same operands and rounding points as lora_delta: A and B*scaling enter in x's dtype (what vLLM serves the
-    adapter in), the shrink accumulates in fp32 and is rounded once to x's dtype, then the expand. With fp32 LoRA
-    masters A is rounded to x's dtype here, where lora_delta multiplies the fp32 master (a 2^-9 relative change of
-    A, inside the bf16 rounding of the shrink's output); the gradients reach the masters in their dtype."""
+    adapter in), the shrink accumulates in fp32 and is rounded once to x's dtype, then the expand; the gradients
+    reach the masters in their dtype."""
 
     @staticmethod
     def forward(ctx, x, a, b, offsets, scaling, impl):  # noqa: D102

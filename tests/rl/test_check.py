@@ -1,7 +1,8 @@
 """rl.check fails, and names the cause, for each way the trainer and the engine can disagree (real engine, tiny M3,
 fp32): a perturbed value in an installed LoRA buffer, a changed captured expert id under routing replay, the trainer
 on the unquantized base while the engine serves the quantized one, the trainer without the NVFP4 KV QDQ of the
-engine's cache. The same setups pass when nothing is perturbed."""
+engine's cache. The same setups pass when nothing is perturbed; the attribution names the KV QDQ when it is removed.
+In bf16 with fp32 LoRA masters (what training holds), the trainer's LoRA layers equal the engine's bitwise."""
 
 import dataclasses
 
@@ -19,8 +20,8 @@ from tests.rollout.engine_fixtures import prompt_ids, quantized_tiny_model
 PROMPTS = [prompt_ids(24, seed=s) for s in range(3)]
 
 
-def trainer(path, **kw) -> M3ForTraining:
-    model = M3ForTraining(TrainerModelConfig(path=str(path), dtype="float32", **kw))
+def trainer(path, dtype="float32", **kw) -> M3ForTraining:
+    model = M3ForTraining(TrainerModelConfig(path=str(path), dtype=dtype, **kw))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # a non-zero adapter: B starts at 0 in peft's init
         for name, p in model.named_parameters():
@@ -30,7 +31,7 @@ def trainer(path, **kw) -> M3ForTraining:
 
 
 def check(engine, model, *overrides, sync=True) -> dict:
-    cfg = compose_cfg([f"model.path={model.mcfg.path}", "model.dtype=float32", *overrides])
+    cfg = compose_cfg([f"model.path={model.mcfg.path}", f"model.dtype={model.mcfg.dtype}", *overrides])
     tensors, peft_cfg = adapter_state_dict(model), peft_config(model.mcfg.lora)
     if sync:
         engine.load_adapter(tensors, peft_cfg)
@@ -127,3 +128,51 @@ class TestQuantizedEngineWithNVFP4KVCache:
         assert not result["passed"]
         assert failures_about(result, "kv_cache_dtype: the engine runs 'nvfp4', the trainer 'auto'"), result["failures"]
         assert failures_about(result, "logprobs:"), result["failures"]
+
+
+    def test_attribution_names_the_kv_qdq_as_the_source(self, quantized_nvfp4_kv):
+        engine, path = quantized_nvfp4_kv
+        result = check(engine, trainer(path, base="quantized", kv_cache_dtype="nvfp4"), "model.base=quantized",
+                       "model.kv_cache_dtype=nvfp4", "check.attribution=true")
+        rows = result["attribution"]["variants"]
+        assert set(rows) == {"exact", "no_routing_replay", "no_block_replay", "bf16_base", "no_kv_qdq", "plain_lora"}
+        assert rows["exact"]["kl_k3"] <= 1e-6 and rows["exact"]["logprob_abs_diff_mean"] <= 1e-4, rows
+        assert rows["no_kv_qdq"]["kl_k3"] > 100 * max(rows["exact"]["kl_k3"], 1e-9), rows
+
+
+class TestBF16LoRAPrecision:
+    """The engine holds the adapter in bf16 while training keeps fp32 masters: the trainer's LoRA must round A and B
+    as the engine holds them. Compared layer by layer on the engine's own captured inputs (whole-model logprobs of
+    a random tiny model in bf16 also carry the attention kernels' op-order noise, which hides this)."""
+
+    LAYERS = ("model.layers.0.self_attn.o_proj", "model.layers.1.block_sparse_moe.shared_experts.down_proj")
+
+    def test_lora_linears_equal_the_engines_bitwise(self):
+        path = quantized_tiny_model("bfloat16")
+        engine = RolloutEngine(EngineConfig(model=str(path), dtype="bfloat16", capture_routing=False))
+        try:
+            model = trainer(path, dtype="bfloat16", base="quantized")  # fp32 masters, values bf16 cannot hold
+            engine.load_adapter(adapter_state_dict(model), peft_config(model.mcfg.lora))
+            seen = {}
+
+            def keep(name, inputs, output):  # the first call: the prompt's prefill
+                if name not in seen:
+                    seen[name] = (inputs[0].clone(), (output[0] if isinstance(output, tuple) else output).clone())
+
+            def capture(worker):
+                for name, module in worker.model_runner.model.named_modules():
+                    if name in self.LAYERS:
+                        module.register_forward_hook(lambda m, i, o, name=name: keep(name, i, o))
+
+            engine.llm.collective_rpc(capture)  # in-process engine: the hooks fill `seen` here
+            engine.generate(PROMPTS[:1], n=1, max_tokens=1, seed=0)
+        finally:
+            engine.close()
+        assert set(seen) == set(self.LAYERS)
+        mine = dict(model.named_modules())
+        for name, (x, engine_out) in seen.items():
+            layer = mine[name.replace("block_sparse_moe", "mlp")]
+            with torch.no_grad():
+                assert torch.equal(layer(x), engine_out), name
+                layer.plain_precision = True  # peft's order on the fp32 masters: what the engine does not compute
+                assert not torch.equal(layer(x), engine_out), name

@@ -122,3 +122,33 @@ def test_nan_adapter_never_reaches_the_engine(served):
     bad[key][0, 0] = float("nan")
     with pytest.raises(AdapterError, match="NaN/Inf"):
         engine.load_adapter(bad, cfg)
+
+
+def test_sync_raises_when_an_installed_buffer_differs_from_the_sent_adapter(served):
+    """The per-sync installed == held comparison runs in the worker: a fault in vLLM's packing (here: one value of
+    one slice changed as the adapter is activated) stops the sync, naming the module and buffer."""
+    engine, _, tensors, cfg, _ = served
+    target = "model.layers.1.self_attn.o_proj"
+
+    def inject(worker):
+        am = worker.model_runner.lora_manager._adapter_manager
+        activate = am.activate_adapter
+
+        def faulty_activate(lora_id):
+            ok = activate(lora_id)
+            am.modules[target].lora_a_stacked[0][am.lora_index_to_id.index(lora_id), 0, 2, 7] += 1e-3
+            return ok
+
+        am.activate_adapter = faulty_activate
+        return activate
+
+    originals = engine.llm.collective_rpc(inject)
+    try:
+        with pytest.raises(AdapterError, match=rf"worker 0: {target}\|lora_a_stacked\|0: 1 values differ"):
+            engine.load_adapter(tensors, cfg)
+    finally:
+        def restore(worker):
+            worker.model_runner.lora_manager._adapter_manager.activate_adapter = originals[0]
+        engine.llm.collective_rpc(restore)
+    info = engine.load_adapter(tensors, cfg)  # the next clean sync installs and verifies
+    assert info["verify_ms"] > 0 and info["workers"] == 1
