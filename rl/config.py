@@ -148,6 +148,11 @@ class RolloutCfg:
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = True
     enable_prefix_caching: bool = False
+    # verl's hybrid engine: each group of this many trainer ranks shares one colocated vLLM engine (external_launcher);
+    # world_size / tensor_model_parallel_size engine replicas split a step's prompts
+    tensor_model_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # vLLM's expert parallelism inside each engine (GPUs)
+    free_cache_engine: bool = False  # verl's key: the engine sleeps (level 1) while the trainer runs (GPUs)
 
 
 @dataclass
@@ -173,6 +178,7 @@ class TrainerCfg:
     check_at_start: bool = True
     eval_k: int = 4  # samples per eval problem at rollout.temperature (pass@1 = their mean accuracy); greedy too
     cache_dir: str = "cache"
+    dry_run: bool = False  # validate config, checkpoint headers and data, print the plan as JSON, exit (rl/plan.py)
 
 
 @dataclass
@@ -217,6 +223,9 @@ def validate(cfg) -> None:
     for key in ("trainer.save_freq", "trainer.max_nan_steps"):
         if OmegaConf.select(cfg, key) < 1:
             raise ValueError(f"{key}={OmegaConf.select(cfg, key)}: must be >= 1")
+    tp = cfg.rollout.tensor_model_parallel_size
+    if tp < 1:
+        raise ValueError(f"rollout.tensor_model_parallel_size={tp}: must be >= 1")
     LoRAConfig(**OmegaConf.to_container(cfg.model.lora)).validate()
     from rl.algorithm import check_algorithm_config  # imports verl (seconds): only when a run is validated
 
