@@ -153,6 +153,7 @@ class RolloutCfg:
     tensor_model_parallel_size: int = 1
     enable_expert_parallel: bool = False  # vLLM's expert parallelism inside each engine (GPUs)
     free_cache_engine: bool = False  # verl's key: the engine sleeps (level 1) while the trainer runs (GPUs)
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to vllm.LLM as they are (GPU flags)
 
 
 @dataclass
@@ -179,6 +180,9 @@ class TrainerCfg:
     eval_k: int = 4  # samples per eval problem at rollout.temperature (pass@1 = their mean accuracy); greedy too
     cache_dir: str = "cache"
     dry_run: bool = False  # validate config, checkpoint headers and data, print the plan as JSON, exit (rl/plan.py)
+    # verl's keys for the job size; null: torchrun's WORLD_SIZE (and the dry run's plan assumes 1 node of it)
+    nnodes: int | None = None
+    n_gpus_per_node: int | None = None
 
 
 @dataclass
@@ -226,12 +230,33 @@ def validate(cfg) -> None:
     tp = cfg.rollout.tensor_model_parallel_size
     if tp < 1:
         raise ValueError(f"rollout.tensor_model_parallel_size={tp}: must be >= 1")
+    world = world_size(cfg)
+    if world % tp:
+        raise ValueError(f"rollout.tensor_model_parallel_size={tp} does not divide the world size {world}")
+    need = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if cfg.rollout.max_model_len < need:
+        raise ValueError(f"rollout.max_model_len={cfg.rollout.max_model_len} < data.max_prompt_length + "
+                         f"data.max_response_length = {need}: the engine could not hold a full response")
     LoRAConfig(**OmegaConf.to_container(cfg.model.lora)).validate()
     from rl.algorithm import check_algorithm_config  # imports verl (seconds): only when a run is validated
 
     check_algorithm_config(cfg.algorithm)
     if cfg.model.lora.rank not in SERVED_LORA_RANKS:
         raise ValueError(f"model.lora.rank={cfg.model.lora.rank}: vLLM serves {list(SERVED_LORA_RANKS)}")
+
+
+def world_size(cfg) -> int:
+    """Ranks of the job: torchrun's WORLD_SIZE when launched by it (checked against trainer.nnodes x
+    trainer.n_gpus_per_node when those are set), else nnodes x n_gpus_per_node (a dry run's plan), else 1."""
+    import os
+
+    t = cfg.trainer
+    declared = (t.nnodes or 1) * (t.n_gpus_per_node or 1) if (t.nnodes or t.n_gpus_per_node) else None
+    launched = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+    if launched is not None and declared is not None and launched != declared and not t.dry_run:
+        raise ValueError(f"trainer.nnodes x trainer.n_gpus_per_node = {declared}, but torchrun started {launched} "
+                         "ranks")
+    return (declared if t.dry_run and declared else launched) or declared or 1
 
 
 def register() -> None:

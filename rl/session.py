@@ -106,7 +106,7 @@ class Session:
             kv_cache_dtype=c.model.kv_cache_dtype, indexer_kv_dtype=c.model.indexer_kv_dtype,
             capture_routing=True, capture_blocks=True,  # replay or not, agreement is measured
             enable_prefix_caching=c.rollout.enable_prefix_caching, enforce_eager=c.rollout.enforce_eager,
-            seed=c.trainer.seed))
+            seed=c.trainer.seed, extra=OmegaConf.to_container(c.rollout.engine_kwargs, resolve=True)))
 
     def __enter__(self):
         return self

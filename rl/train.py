@@ -203,6 +203,11 @@ def run(s: Session) -> dict:
 @hydra.main(config_path="../configs", config_name="config", version_base=None)
 def main(cfg) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # one console line per step, not vLLM's INFO stream
+    if cfg.trainer.dry_run:  # checks and the plan only: no model, no engine
+        from rl.plan import plan
+
+        print(json.dumps(plan(cfg), indent=2))
+        return
     with Session(cfg) as session:
         summary = run(session)
     print(json.dumps({k: summary[k] for k in ("eval_before", "eval_after", "run_dir")}, indent=2))

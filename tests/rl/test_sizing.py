@@ -1,9 +1,7 @@
-"""scripts/size_m3.py against hand calculations from the MiniMax-M3 config, the blog's published figures,
-and the recipe it sizes."""
+"""rl/sizing.py (scripts/size_m3.py) against hand calculations from the MiniMax-M3 config, the blog's published
+figures, and the recipe it sizes; every recipe composes as an rl.train config."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,11 +13,9 @@ GB = 1e9
 
 @pytest.fixture(scope="module")
 def sz():
-    spec = importlib.util.spec_from_file_location("size_m3", ROOT / "scripts" / "size_m3.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["size_m3"] = module
-    spec.loader.exec_module(module)
-    return module
+    import rl.sizing
+
+    return rl.sizing
 
 
 @pytest.fixture(scope="module")
@@ -127,25 +123,29 @@ def test_cli_writes_json(sz, tmp_path, capsys):
     assert saved["assumptions"] and "trainer per GPU (16 GPUs, 4096 tokens/GPU)" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("recipe", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_recipe_composes_and_validates(sz, recipe):
+    from rl.config import validate
+
+    cfg = sz.compose_recipe(str(recipe), ["trainer.dry_run=true"])
+    validate(cfg)  # the schema's own keys: an unknown or mistyped key fails in compose_recipe already
+
+
 def test_recipe_has_the_seed_setup_and_is_sized(sz, shape):
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    with initialize_config_dir(config_dir=str(RECIPE.parent), version_base=None):
-        cfg = compose(RECIPE.stem, overrides=["model.path=/ckpt", "data.train_files=/d.parquet",
-                                              "data.val_files=/a.parquet"])
-    c = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    assert c["model"]["lora"]["rank"] == 32
-    assert c["model"]["quantization"] == {"routed_experts": "nvfp4", "linears": "mxfp8", "embed_lm_head": "bf16"}
+    c = OmegaConf.to_container(sz.compose_recipe(str(RECIPE)), resolve=True, throw_on_missing=True)
+    assert c["model"]["lora"]["rank"] == 32 and c["model"]["lora"]["target_experts"]
+    assert (c["model"]["base"], c["model"]["kv_cache_dtype"], c["model"]["indexer_kv_dtype"]) == \
+        ("quantized", "nvfp4", "nvfp4")
     assert c["algorithm"]["adv_estimator"] == "grpo"
     tis = {"rollout_is": "token", "rollout_is_threshold": 2.0, "bypass_mode": True, "loss_type": "reinforce"}
-    assert c["algorithm"]["rollout_correction"] == c["actor"]["policy_loss"]["rollout_correction"] == tis
-    assert c["actor"]["policy_loss"]["loss_mode"] == "bypass_mode" and c["actor"]["ppo_epochs"] == 1
-    assert c["actor"]["ppo_mini_batch_size"] == c["data"]["train_batch_size"]
+    assert {k: c["algorithm"]["rollout_correction"][k] for k in tis} == tis
+    assert c["actor"]["ppo_epochs"] == 1 and c["actor"]["routing_replay"]
     ek = c["rollout"]["engine_kwargs"]
-    assert (ek["block_size"], ek["kv_cache_dtype"], ek["attention_config"]) == (128, "nvfp4",
-                                                                                 {"indexer_kv_dtype": "nvfp4"})
+    assert ek["block_size"] == 128
     assert ek["speculative_config"]["method"] == "dspark" and ek["speculative_config"]["num_speculative_tokens"] == 7
+    assert c["rollout"]["max_model_len"] >= c["data"]["max_prompt_length"] + c["data"]["max_response_length"]
     assert c["trainer"]["total_training_steps"] == 200
     assert c["trainer"]["nnodes"] * c["trainer"]["n_gpus_per_node"] == 16
     out = sz.main(["--recipe", str(RECIPE)])
