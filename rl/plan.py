@@ -18,7 +18,10 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from m3.weights import weight_specs
+from quant.checkpoint import QuantizedCheckpoint
 from rl.config import validate, world_size
+from rl.data import encode_prompts, load_splits
+from rl.sizing import Setup, Shape, load_m3_config, setup_from_config, size
 
 INDEX_FILE = "model.safetensors.index.json"
 NVFP4_LAYOUTS = {  # companion tensors of a packed E2M1 weight, by checkpoint layout
@@ -104,8 +107,6 @@ def check_checkpoint(path: Path, text_config: dict) -> dict:
         layouts.add("fused")
     can_load, why = True, None
     try:
-        from quant.checkpoint import QuantizedCheckpoint
-
         QuantizedCheckpoint(path)
     except Exception as e:  # noqa: BLE001  (reported: the trainer could not open it)
         can_load, why = False, f"{type(e).__name__}: {e}"
@@ -116,8 +117,6 @@ def check_checkpoint(path: Path, text_config: dict) -> dict:
 
 def check_data(cfg, tokenizer_path: Path) -> dict:
     from transformers import AutoTokenizer
-
-    from rl.data import encode_prompts, load_splits
 
     train, evals, bad = load_splits(cfg.data)
     tok = AutoTokenizer.from_pretrained(tokenizer_path)
@@ -131,8 +130,6 @@ def check_data(cfg, tokenizer_path: Path) -> dict:
 
 def plan(cfg) -> dict:
     """The dry run's JSON object; raises ValueError listing every problem found."""
-    from rl.sizing import Setup, Shape, load_m3_config, setup_from_config, size
-
     validate(cfg)
     path = Path(cfg.model.path)
     if not (path / "config.json").is_file():

@@ -21,6 +21,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from rl.config import register, world_size
+
 GB = 1e9
 # Per parameter, scales included: NVFP4 = 4-bit E2M1 + one E4M3 byte per 16; MXFP8 = 1 byte + one E8M0 per 32.
 BYTES_PER_PARAM = {"nvfp4": 0.5 + 1 / 16, "mxfp8": 1 + 1 / 32, "fp8": 1.0, "bf16": 2.0, "fp32": 4.0}
@@ -351,8 +353,6 @@ ASSUMPTIONS = [
 
 def setup_from_config(cfg) -> dict:
     """Setup values from a composed rl.train config (a recipe)."""
-    from rl.config import world_size
-
     ek = cfg.rollout.engine_kwargs
     spec = ek.get("speculative_config") or {}
     return {"gpus": world_size(cfg), "seq_len": cfg.data.max_prompt_length + cfg.data.max_response_length,
@@ -366,8 +366,6 @@ def setup_from_config(cfg) -> dict:
 def compose_recipe(path: str, overrides: list[str] = ()):
     """A recipe file composed as rl.train composes it (its ??? keys filled with placeholders)."""
     from hydra import compose, initialize_config_dir
-
-    from rl.config import register
 
     register()
     p = Path(path).resolve()

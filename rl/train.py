@@ -26,6 +26,7 @@ from rl.agreement import engine_agreement
 from rl.algorithm import grpo_advantages, policy_loss, train_rollout_kl
 from rl.batch import PackedBatch, pack_rollouts
 from rl.check import check_session
+from rl.plan import plan
 from rl.config import register
 from rl.metrics import MetricsLogger
 from rl.model import ForwardStats
@@ -204,8 +205,6 @@ def run(s: Session) -> dict:
 def main(cfg) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # one console line per step, not vLLM's INFO stream
     if cfg.trainer.dry_run:  # checks and the plan only: no model, no engine
-        from rl.plan import plan
-
         print(json.dumps(plan(cfg), indent=2))
         return
     with Session(cfg) as session:
