@@ -152,6 +152,11 @@ def _mean(xs) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+def pass_at(n: int, c: int, j: int) -> float:
+    """Unbiased pass@j from n samples with c correct (Chen et al. 2021): 1 - C(n-c, j) / C(n, j)."""
+    return 1.0 - math.comb(n - c, j) / math.comb(n, j)
+
+
 def aggregate(details: list[dict], k: int) -> dict:
     """Metrics of per-row details (each with `acc`/`score`/`response_tokens`/`finish_reason` lists of length k)."""
     if not details:
@@ -167,6 +172,9 @@ def aggregate(details: list[dict], k: int) -> dict:
         "pass@1": _mean(d["acc"][0] for d in details),
         "avg@k": _mean(a for a, *_ in flat),
         "pass@k": _mean(float(max(d["acc"])) for d in details),
+        # unbiased pass@j for j = 1, 2, 4, .. <= k from the same k samples (pass@k above is its j = k case)
+        "pass@j_unbiased": {str(j): _mean(pass_at(k, sum(d["acc"]), j) for d in details)
+                            for j in (2 ** i for i in range(k.bit_length())) if j <= k},
         "score_mean": _mean(s for _, s, _, _ in flat),
         "response_tokens_mean": _mean(t for _, _, t, _ in flat),
         "truncated_frac": _mean(float(f == "length") for *_, f in flat),

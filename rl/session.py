@@ -106,7 +106,9 @@ class Session:
             kv_cache_dtype=c.model.kv_cache_dtype, indexer_kv_dtype=c.model.indexer_kv_dtype,
             capture_routing=True, capture_blocks=True,  # replay or not, agreement is measured
             enable_prefix_caching=c.rollout.enable_prefix_caching, enforce_eager=c.rollout.enforce_eager,
-            seed=c.trainer.seed, extra=OmegaConf.to_container(c.rollout.engine_kwargs, resolve=True)))
+            seed=c.trainer.seed, extra={k: v for k, v in OmegaConf.to_container(c.rollout.engine_kwargs,
+                                                                                 resolve=True).items()
+                                        if v is not None}))  # null: vLLM's default (a recipe unsets a parent's)
 
     def __enter__(self):
         return self
@@ -174,7 +176,8 @@ class Session:
                            max_tokens=c.data.max_response_length, seed=c.trainer.seed, return_details=False)
         greedy = evaluate(self.engine, self.eval_rows, k=1, temperature=0.0, max_tokens=c.data.max_response_length,
                           seed=c.trainer.seed, return_details=False)
-        return {"pass@1": sampled["avg@k"], "pass@k": sampled["pass@k"], "k": k, "greedy_pass@1": greedy["pass@1"]}
+        return {"pass@1": sampled["avg@k"], "pass@k": sampled["pass@k"], "k": k, "greedy_pass@1": greedy["pass@1"],
+                **{f"pass@{j}_unbiased": v for j, v in sampled["pass@j_unbiased"].items() if j not in ("1", str(k))}}
 
     def save(self, step: int, extra: dict) -> None:
         tensors = full_adapter_state_dict(self.model, dtype=torch.float32)  # collective; rank 0 gets the tensors

@@ -354,13 +354,13 @@ ASSUMPTIONS = [
 def setup_from_config(cfg) -> dict:
     """Setup values from a composed rl.train config (a recipe)."""
     ek = cfg.rollout.engine_kwargs
-    spec = ek.get("speculative_config") or {}
+    spec = ek.get("speculative_config") or {}  # null: unset by a derived recipe
     return {"gpus": world_size(cfg), "seq_len": cfg.data.max_prompt_length + cfg.data.max_response_length,
             "batch": cfg.data.train_batch_size * cfg.rollout.n, "lora_rank": cfg.model.lora.rank,
             "engine_tp": cfg.rollout.tensor_model_parallel_size, "engine_ep": cfg.rollout.enable_expert_parallel,
             "gpu_mem_util": cfg.rollout.gpu_memory_utilization, "max_num_seqs": cfg.rollout.max_num_seqs,
             "kv_dtype": str(cfg.model.kv_cache_dtype), "indexer_dtype": str(cfg.model.indexer_kv_dtype),
-            "block_size": ek.get("block_size", 16), "num_spec_tokens": spec.get("num_speculative_tokens", 0)}
+            "block_size": ek.get("block_size") or 16, "num_spec_tokens": spec.get("num_speculative_tokens") or 0}
 
 
 def compose_recipe(path: str, overrides: list[str] = ()):

@@ -128,6 +128,8 @@ def test_aggregate_on_hand_made_details():
     m = rl_eval.aggregate(details, k=4)
     assert m["pass@1"] == pytest.approx(1 / 3) and m["avg@k"] == pytest.approx(4 / 12)
     assert m["pass@k"] == pytest.approx(2 / 3) and m["truncated_frac"] == pytest.approx(0.25)
+    # unbiased pass@2 by hand: 1 - C(n-c, 2) / C(4, 2) per row = 1 - 3/6, 1 - 0, 1 - 6/6
+    assert m["pass@j_unbiased"] == pytest.approx({"1": 1 / 3, "2": (0.5 + 1 + 0) / 3, "4": 2 / 3})
     with pytest.raises(ValueError, match="expected k=3"):
         rl_eval.aggregate(details, k=3)
 
