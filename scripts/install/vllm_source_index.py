@@ -127,9 +127,14 @@ def fingerprint(node: ast.AST | None) -> str:
     """Same for two releases iff the definition's code is the same (docstrings, comments, line numbers ignored)."""
     if node is None:
         return ""
+    return hashlib.sha256(ast.dump(without_docstring(node), annotate_fields=False).encode()).hexdigest()[:16]
+
+
+def without_docstring(node: ast.AST) -> ast.AST:
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and ast.get_docstring(node):
-        node = type(node)(**{**{f: getattr(node, f) for f in node._fields}, "body": node.body[1:]})
-    return hashlib.sha256(ast.dump(node, annotate_fields=False).encode()).hexdigest()[:16]
+        copy = type(node)(**{**{f: getattr(node, f) for f in node._fields}, "body": node.body[1:] or [ast.Pass()]})
+        return ast.copy_location(copy, node)
+    return node
 
 
 @dataclass
