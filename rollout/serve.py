@@ -156,6 +156,20 @@ def build_vllm_argv(argv: list[str] | None = None, *, on_cpu: bool | None = None
     return out + rest
 
 
+def _serve_cli_helpers():
+    """(make_arg_parser, cli_env_setup): vLLM 0.33 moved both, unchanged, to `vllm.entrypoints.common`
+    (results/gpu_profile_check.json)."""
+    from rollout.plugin.registry import vllm_release  # imports vLLM: only once serving starts
+
+    if vllm_release() == "0.32.0":
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+        from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    else:
+        from vllm.entrypoints.common.cli_args import make_arg_parser
+        from vllm.entrypoints.common.startup import cli_env_setup
+    return make_arg_parser, cli_env_setup
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         check_plugin()
@@ -165,8 +179,6 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
 
     from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.logger import configure_logging_from_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -177,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
         # vLLM's CPU platform swaps "uni" for "mp" unless this is 0; the API server's engine core is a separate
         # process either way (AsyncLLM always runs it so), and it inherits the setting.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    make_arg_parser, cli_env_setup = _serve_cli_helpers()
     cli_env_setup()
     parser = make_arg_parser(FlexibleArgumentParser(prog="python -m rollout.serve"))
     args = parser.parse_args(vllm_argv)

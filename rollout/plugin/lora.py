@@ -66,7 +66,8 @@ class MiniMaxM3QKVIndexerWithLoRA(MergedColumnParallelLinearWithLoRA):
     apply = BaseLinearLayerWithLoRA.apply  # plain GEMM + delta; the merged-column custom-forward probe is moot
 
     @classmethod
-    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list, model_config=None) -> bool:
+    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list, model_config=None,
+                          decorate: bool = True) -> bool:  # vLLM's signature (its sharded subclasses pass decorate)
         return (type(source_layer).__name__ == "MinimaxM3QKVParallelLinearWithIndexer"
                 and len(packed_modules_list) == 5 and not lora_config.fully_sharded_loras)
 
@@ -82,7 +83,8 @@ class MiniMaxM3DenseQKVWithLoRA(MergedQKVParallelLinearWithLoRA):
         super().set_lora(index, lora_a, lora_b)
 
     @classmethod
-    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list, model_config=None) -> bool:
+    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list, model_config=None,
+                          decorate: bool = True) -> bool:  # vLLM's signature (its sharded subclasses pass decorate)
         return (type(source_layer) is QKVParallelLinear and packed_modules_list == QKV_SHARDS
                 and not lora_config.fully_sharded_loras)
 

@@ -30,8 +30,9 @@ def _grouped_matmul(inputs: torch.Tensor, weights: torch.Tensor, indices: torch.
     return out
 
 
-def bgmv_shrink(inputs, lora_a_weights, output_tensor, lora_indices_tensor, scaling: float = 1.0):
-    out = _grouped_matmul(inputs, lora_a_weights, lora_indices_tensor, output_tensor.dtype)
+def bgmv_shrink(inputs, lora_b_weights, output_tensor, lora_indices_tensor, scaling: float = 1.0):
+    # `lora_b_weights` (the A matrices here) is vLLM's parameter name: ours must accept the same keywords
+    out = _grouped_matmul(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
     output_tensor[:, : out.shape[1]] = scaling * out
 
 
