@@ -19,17 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "dapo_math_minimax_m31_flash.yaml"
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("math")
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_data.py"), "--out", str(out), "--layout", "dapo",
-                    "--n-train", "200", "--n-eval", "8"], check=True, capture_output=True)
-    return out
-
-
-def recipe(ckpt, data, *overrides):
-    return compose_recipe(str(RECIPE), [f"model.path={ckpt}", f"data.train_files={data}/dapo-math-17k.parquet",
-                                        f"data.val_files={data}/aime-2024-lower.parquet", "trainer.dry_run=true",
+def recipe(ckpt, math_data, *overrides):
+    return compose_recipe(str(RECIPE), [f"model.path={ckpt}", f"data.train_files={math_data}/dapo-math-17k.parquet",
+                                        f"data.val_files={math_data}/aime-2024-lower.parquet", "trainer.dry_run=true",
                                         *overrides])
 
 
@@ -41,11 +33,11 @@ def copy_with(src: Path, dst: Path, edit) -> Path:
     return dst
 
 
-def test_recipe_dry_run_prints_the_plan_and_exits_0(data):
+def test_recipe_dry_run_prints_the_plan_and_exits_0(math_data):
     ckpt = quantized_tiny_model("float32")
     p = subprocess.run([sys.executable, "-m", "rl.train", "--config-path", "../recipes", "--config-name", RECIPE.stem,
-                        f"model.path={ckpt}", f"data.train_files={data}/dapo-math-17k.parquet",
-                        f"data.val_files={data}/aime-2024-pascal.parquet", "trainer.dry_run=true"],
+                        f"model.path={ckpt}", f"data.train_files={math_data}/dapo-math-17k.parquet",
+                        f"data.val_files={math_data}/aime-2024-pascal.parquet", "trainer.dry_run=true"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout)
@@ -56,15 +48,15 @@ def test_recipe_dry_run_prints_the_plan_and_exits_0(data):
     assert out["memory_per_gpu_gb"]["trainer_fits"] and out["resolved"]["rollout"]["max_model_len"] == 22528
 
 
-def test_missing_expert_scale_fails_naming_the_tensor(data, tmp_path):
+def test_missing_expert_scale_fails_naming_the_tensor(math_data, tmp_path):
     name = "model.layers.1.block_sparse_moe.experts.2.w3.weight_scale_2"
     ckpt = copy_with(quantized_tiny_model("float32"), tmp_path / "ckpt",
                      lambda t: {k: v for k, v in t.items() if k != name})
     with pytest.raises(ValueError, match=rf"{name}: missing \(modelopt NVFP4\)"):
-        plan(recipe(ckpt, data))
+        plan(recipe(ckpt, math_data))
 
 
-def test_compressed_tensors_layout_is_recognised_but_the_trainer_cannot_read_it(data, tmp_path):
+def test_compressed_tensors_layout_is_recognised_but_the_trainer_cannot_read_it(math_data, tmp_path):
     renames = {".weight_scale_2": ".weight_global_scale"}
 
     def to_compressed_tensors(t):
@@ -82,12 +74,12 @@ def test_compressed_tensors_layout_is_recognised_but_the_trainer_cannot_read_it(
     assert report["expert_layouts"] == ["compressed-tensors"] and report["problems"] == []
     assert not report["trainer_reader_opens_it"]
     with pytest.raises(ValueError, match="model.path: the trainer cannot read this checkpoint"):
-        plan(recipe(ckpt, data))
+        plan(recipe(ckpt, math_data))
 
 
-def test_overlong_prompts_are_counted_and_too_few_left_fail(data):
+def test_overlong_prompts_are_counted_and_too_few_left_fail(math_data):
     ckpt = quantized_tiny_model("float32")
     with pytest.raises(ValueError, match="data.train_files: 0 usable prompts < data.train_batch_size=64"):
-        plan(recipe(ckpt, data, "data.max_prompt_length=100"))
-    out = plan(recipe(ckpt, data, "data.train_batch_size=8"))
+        plan(recipe(ckpt, math_data, "data.max_prompt_length=100"))
+    out = plan(recipe(ckpt, math_data, "data.train_batch_size=8"))
     assert out["data"]["train_dropped_overlong"] == 0 and out["data"]["steps_per_epoch"] == 25

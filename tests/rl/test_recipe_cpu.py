@@ -17,22 +17,14 @@ from tests.rollout.engine_fixtures import quantized_tiny_model
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("math")
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_data.py"), "--out", str(out), "--layout", "dapo",
-                    "--n-train", "200", "--n-eval", "8"], check=True, capture_output=True)
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("val_layout,steps", [("lower", 4), ("verl", 1), ("pascal", 1)])
-def test_cpu_recipe_runs_end_to_end(data, tmp_path, val_layout, steps):
+def test_cpu_recipe_runs_end_to_end(math_data, tmp_path, val_layout, steps):
     run_dir = tmp_path / "run"
     p = subprocess.run([sys.executable, "-m", "rl.train", "--config-path", "../recipes", "--config-name",
                         "dapo_math_tiny_cpu", f"model.path={quantized_tiny_model('float32')}",
-                        f"data.train_files={data}/dapo-math-17k.parquet",
-                        f"data.val_files={data}/aime-2024-{val_layout}.parquet", f"trainer.run_dir={run_dir}",
+                        f"data.train_files={math_data}/dapo-math-17k.parquet",
+                        f"data.val_files={math_data}/aime-2024-{val_layout}.parquet", f"trainer.run_dir={run_dir}",
                         f"trainer.total_training_steps={steps}", f"trainer.save_freq={steps}"],
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-4000:]
