@@ -16,12 +16,13 @@ from rl.algorithm import train_rollout_kl
 from rl.batch import PackedBatch
 from rl.model import ForwardStats, M3ForTraining
 from rl.model.lora import load_adapter_tensors
+from rl.model.quantized_base import DenseLinear, ExpertWeights
 
 VARIANTS = {
     "exact": "the configured setup: served base form, engine LoRA precision, KV QDQ as the engine's cache, replay",
     "no_routing_replay": "the trainer's own top-k experts instead of the engine's",
     "no_block_replay": "the trainer's own MSA block selection instead of the engine's",
-    "bf16_base": "the base dequantized to plain weights (no served quant form): a bf16 trainer against this engine",
+    "bf16_base": "the base dequantized to plain bf16 weights (no served quant form): a bf16 trainer against this engine",
     "no_kv_qdq": "no NVFP4 QDQ of K/V and index keys (matters when the engine's caches are NVFP4)",
     "plain_lora": "LoRA in peft's precision (both GEMMs in the activation dtype) instead of vLLM's Punica order",
 }
@@ -44,6 +45,11 @@ def _modules_set(model, attr: str, value):
 def _variant(name: str, model: M3ForTraining, adapter_tensors: dict):
     if name == "bf16_base":
         other = M3ForTraining(replace(model.mcfg, base="bf16"))
+        with torch.no_grad():  # plain weights held in bf16 whatever the compute dtype (a no-op in a bf16 model)
+            for module in other.modules():
+                if isinstance(module, (DenseLinear, ExpertWeights)):
+                    for buf in module.buffers(recurse=False):
+                        buf.copy_(buf.to(torch.bfloat16))
         load_adapter_tensors(other, adapter_tensors)
         yield other
     elif name == "no_kv_qdq":

@@ -1,8 +1,8 @@
 """rl.check fails, and names the cause, for each way the trainer and the engine can disagree (real engine, tiny M3,
 fp32): a perturbed value in an installed LoRA buffer, a changed captured expert id under routing replay, the trainer
 on the unquantized base while the engine serves the quantized one, the trainer without the NVFP4 KV QDQ of the
-engine's cache. The same setups pass when nothing is perturbed; the attribution names the KV QDQ when it is removed.
-In bf16 with fp32 LoRA masters (what training holds), the trainer's LoRA layers equal the engine's bitwise."""
+engine's cache. The same setups pass when nothing is perturbed; the attribution names the KV QDQ and the plain bf16
+base when they are removed. In bf16 with fp32 LoRA masters (what training holds), the trainer's LoRA layers equal the engine's bitwise."""
 
 import dataclasses
 
@@ -138,6 +138,7 @@ class TestQuantizedEngineWithNVFP4KVCache:
         assert set(rows) == {"exact", "no_routing_replay", "no_block_replay", "bf16_base", "no_kv_qdq", "plain_lora"}
         assert rows["exact"]["kl_k3"] <= 1e-6 and rows["exact"]["logprob_abs_diff_mean"] <= 1e-4, rows
         assert rows["no_kv_qdq"]["kl_k3"] > 100 * max(rows["exact"]["kl_k3"], 1e-9), rows
+        assert rows["bf16_base"]["kl_k3"] > 100 * max(rows["exact"]["kl_k3"], 1e-12), rows  # plain bf16 weights
 
 
 class TestBF16LoRAPrecision:
