@@ -5,6 +5,7 @@ rollout_is_threshold, bypass_mode, loss_type}, actor.ppo_epochs, actor.ppo_mini_
 data.train_batch_size, model.lora.{rank, alpha, target_modules}, trainer.total_training_steps / save_freq /
 test_freq."""
 
+import os
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -223,15 +224,27 @@ def validate(cfg) -> None:
     for key in ("trainer.save_freq", "trainer.max_nan_steps"):
         if OmegaConf.select(cfg, key) < 1:
             raise ValueError(f"{key}={OmegaConf.select(cfg, key)}: must be >= 1")
-    tp = cfg.rollout.tensor_model_parallel_size
-    if tp < 1:
-        raise ValueError(f"rollout.tensor_model_parallel_size={tp}: must be >= 1")
+    validate_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     LoRAConfig(**OmegaConf.to_container(cfg.model.lora)).validate()
     from rl.algorithm import check_algorithm_config  # imports verl (seconds): only when a run is validated
 
     check_algorithm_config(cfg.algorithm)
     if cfg.model.lora.rank not in SERVED_LORA_RANKS:
         raise ValueError(f"model.lora.rank={cfg.model.lora.rank}: vLLM serves {list(SERVED_LORA_RANKS)}")
+
+
+def validate_layout(cfg, world: int) -> None:
+    """The engine layout over `world` trainer ranks (torchrun's WORLD_SIZE): world / tp engine replicas of tp ranks
+    each, every rank training on its own part of the step's prompts."""
+    tp = cfg.rollout.tensor_model_parallel_size
+    if tp < 1:
+        raise ValueError(f"rollout.tensor_model_parallel_size={tp}: must be >= 1")
+    if world % tp:
+        raise ValueError(f"rollout.tensor_model_parallel_size={tp} does not divide the world size {world} "
+                         "(torchrun --nproc-per-node): each group of that many trainer ranks shares one engine")
+    if cfg.data.train_batch_size < world:
+        raise ValueError(f"data.train_batch_size={cfg.data.train_batch_size} < world size {world}: every rank "
+                         "trains on at least one prompt per step")
 
 
 def register() -> None:

@@ -59,7 +59,8 @@ def unpack_adapter(payload) -> dict[str, torch.Tensor]:
 def _shape_mismatches(lora, dummy, lora_modules) -> list[str]:
     """Compare every packed module of `lora` with vLLM's zero adapter of the same rank (its expected shapes). Under
     tensor parallelism the zero adapter has this rank's shard shapes and `lora` the full ones: each module's own
-    slicing (the one activation applies) cuts `lora` first; experts compare sizes over all experts."""
+    slicing (the one activation applies) cuts `lora` first; routed experts are compared whole (tensor parallel: both
+    full size) or as this rank's experts (expert parallel: packing already kept only those)."""
     errors = []
     for name, weights in lora.loras.items():
         if name not in lora_modules and not name.endswith(".base_layer"):
@@ -83,8 +84,6 @@ def _shape_mismatches(lora, dummy, lora_modules) -> list[str]:
             if ".experts" in name:  # compare sizes: the layouts differ, the values per expert do not
                 sizes_got = sum(g.numel() for g in got if g is not None)
                 sizes_want = sum(w.numel() for w in want if w is not None)
-                if getattr(module, "use_ep", False):  # the zero adapter holds this rank's experts only
-                    sizes_want = sizes_want * module.global_num_experts // module.local_num_experts
                 if sizes_got != sizes_want:
                     errors.append(f"{name}.{kind}: {sizes_got} values, the model expects {sizes_want}")
                 continue
