@@ -118,7 +118,7 @@ class Session:
 
     def layout(self) -> dict:
         return {"world_size": self.world, "tensor_model_parallel_size": self.tp, "engine_replicas": self.replicas,
-                "free_cache_engine": self.engine.sleep_enabled}
+                "engine_sleeps_while_training": self.engine.sleep_enabled}
 
     def __enter__(self):
         return self

@@ -41,7 +41,7 @@ def test_two_process_run_keeps_identical_adapters_on_both_ranks(tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["world_size"] == 2
     assert summary["engine"] == {"world_size": 2, "tensor_model_parallel_size": 1, "engine_replicas": 2,
-                                 "free_cache_engine": False}
+                                 "engine_sleeps_while_training": False}
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
@@ -57,7 +57,7 @@ def test_one_tensor_parallel_engine_over_both_ranks(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["engine"] == {"world_size": 2, "tensor_model_parallel_size": 2, "engine_replicas": 1,
-                                 "free_cache_engine": False}
+                                 "engine_sleeps_while_training": False}
     check = summary["check_step0"]  # rl.check at step 0, on the shared engine
     assert check["passed"] and check["weights_exact"] and check["weights"]["workers"] == 1, check["failures"]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
