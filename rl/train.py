@@ -1,16 +1,19 @@
 """`python -m rl.train`: GRPO with token-level TIS (cap 2) on a LoRA adapter over the engine's exact base.
 
 Single controller; one step is the stages below, in order:
-  generate   n responses per prompt with the current adapter (rollout logprobs, routed experts, MSA blocks)
+  generate   n responses per prompt with the current adapter (rollout logprobs, routed experts, MSA blocks);
+             then the engine sleeps when rollout.free_cache_engine is on
   score      rewards (verl's scorers, by data source)
   forward    the trainer's logprobs of the same tokens, replaying the engine's experts (and blocks)
   advantages GRPO (verl), per group of n
   update     token-TIS loss with the rollout logprobs as the old logprobs (verl's bypass mode), one optimizer step
-  sync       only the adapter, in memory, to the engine (checksum compared)
+  sync       wakes the engine; only the adapter, in memory, to the engine (checksum compared, each TP shard
+             verified)
   log        one console line; every metric to metrics.jsonl and W&B
 With no arguments it runs the embedded default (tiny M3 on the addition task). Run setup is rl/session.py.
 """
 
+import hashlib
 import json
 import os
 import sys
@@ -47,13 +50,18 @@ class Scored:
 
 
 def generate(s: Session, step: int) -> tuple[list[int], list]:
-    """This rank's share of the step's prompts, and n rollouts for each."""
+    """This rank's share of the step's prompts, and n rollouts for each. Each engine replica generates its share
+    (every rank of a tensor-parallel engine makes the same call and gets the same rollouts); its ranks then train
+    on disjoint parts of it, so the ranks' parts cover the batch once."""
     c = s.cfg
-    idx = s.cursor.next_batch(c.data.train_batch_size)[s.rank::s.world]
+    idx = s.cursor.next_batch(c.data.train_batch_size)[s.replica::s.replicas]
     groups = s.engine.generate([s.train_prompts[i] for i in idx], n=c.rollout.n, temperature=c.rollout.temperature,
                                top_p=c.rollout.top_p, max_tokens=c.data.max_response_length, stop_token_ids=s.eos,
                                seed=c.trainer.seed * 100003 + step)
-    return idx, groups
+    s.check_engine_group_agrees(hashlib.sha256(repr([[r.token_ids for r in g] for g in groups]).encode()).hexdigest(),
+                                "rollouts")
+    s.engine.sleep()  # free_cache_engine: the trainer gets the memory until the sync wakes the engine
+    return idx[s.tp_rank::s.tp], groups[s.tp_rank::s.tp]
 
 
 def score(s: Session, idx: list[int], groups: list) -> Scored:
@@ -149,7 +157,8 @@ def grpo_step(s: Session, step: int) -> dict:
     t_sync = time.perf_counter()
     return {**metrics, "train/grad_norm": grad_norm, "train/skipped_nonfinite": 0.0, "sync/ms": sync["sync_ms"],
             "sync/verify_ms": sync["verify_ms"], "sync/bytes": sync["bytes"], "sync/checksum": sync["checksum"],
-            "sync/rank_checksums": sync["rank_checksums"], "time/generate_s": t_gen - t0,
+            "sync/rank_checksums": sync["rank_checksums"], "sync/rank_tp_ranks": sync["rank_tp_ranks"],
+            "time/generate_s": t_gen - t0,
             "time/score_s": t_score - t_gen, "time/train_s": t_train - t_score, "time/sync_s": t_sync - t_train,
             "time/step_s": t_sync - t0}
 
@@ -170,13 +179,15 @@ def run(s: Session) -> dict:
                                      {"with_replay": check["logprobs"]["with_replay"]}))
         if not check["passed"]:
             raise RuntimeError(f"rl.check failed at step 0: {json.dumps(check)}")
-    summary["eval_before"] = s.evaluate() if s.rank == 0 else {}
+    summary["engine"] = s.layout()
+    # replica 0's engine evaluates (all its ranks: a tensor-parallel engine generates together); rank 0 reports
+    summary["eval_before"] = s.evaluate() if s.replica == 0 else {}
     s.log(f"eval before: {summary['eval_before']}")
     nan_streak = 0
     for step in range(start + 1, c.trainer.total_training_steps + 1):
         metrics = grpo_step(s, step)
         nan_streak = nan_streak + 1 if metrics.get("train/skipped_nonfinite") else 0
-        if c.trainer.test_freq and step % c.trainer.test_freq == 0 and s.rank == 0:
+        if c.trainer.test_freq and step % c.trainer.test_freq == 0 and s.replica == 0:
             metrics.update({f"eval/{k}": v for k, v in s.evaluate().items()})
         logger.log(step, metrics)
         if nan_streak >= c.trainer.max_nan_steps:
@@ -184,7 +195,7 @@ def run(s: Session) -> dict:
             raise RuntimeError(f"{nan_streak} non-finite steps in a row (step {step}); checkpoint saved")
         if step % c.trainer.save_freq == 0 or step == c.trainer.total_training_steps:
             s.save(step, {})
-    summary["eval_after"] = s.evaluate() if s.rank == 0 else {}
+    summary["eval_after"] = s.evaluate() if s.replica == 0 else {}
     s.log(f"eval after: {summary['eval_after']}")
     rows = logger.rows
     summary["steps"] = c.trainer.total_training_steps

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from rollout.lora_layout import expected_slots, installed_slots, mismatches
+from rollout.lora_layout import TPShard, expected_slots, installed_slots, mismatches
 
 # The LoRA ranks vLLM serves (its `MaxLoRARanks`; tests/rollout compares the two). Here, not in engine.py, so that
 # config validation can read it without importing vLLM.
@@ -57,7 +57,10 @@ def unpack_adapter(payload) -> dict[str, torch.Tensor]:
 
 
 def _shape_mismatches(lora, dummy, lora_modules) -> list[str]:
-    """Compare every packed module of `lora` with vLLM's zero adapter of the same rank (its expected shapes)."""
+    """Compare every packed module of `lora` with vLLM's zero adapter of the same rank (its expected shapes). Under
+    tensor parallelism the zero adapter has this rank's shard shapes and `lora` the full ones: each module's own
+    slicing (the one activation applies) cuts `lora` first; routed experts are compared whole (tensor parallel: both
+    full size) or as this rank's experts (expert parallel: packing already kept only those)."""
     errors = []
     for name, weights in lora.loras.items():
         if name not in lora_modules and not name.endswith(".base_layer"):
@@ -67,8 +70,12 @@ def _shape_mismatches(lora, dummy, lora_modules) -> list[str]:
         if expected is None:
             errors.append(f"{name}: the served model has no LoRA weights for this module")
             continue
+        module = lora_modules.get(name.removesuffix(".base_layer"))
+        sliced = getattr(module, "tp_size", 1) > 1 and ".experts" not in name
         for kind in ("lora_a", "lora_b"):
             got, want = getattr(weights, kind), getattr(expected, kind)
+            if sliced:
+                got = getattr(module, f"slice_{kind}")(got)
             got = got if isinstance(got, list) else [got]
             want = want if isinstance(want, list) else [want]
             if name.endswith(".experts"):  # [gate_up, down] 3D stacks vs the dummy's flat peft halves
@@ -139,7 +146,8 @@ class AdapterSyncExtension:
         # tensors (= the trainer's, by the checksum above), built before vLLM scales B in place.
         t_verify = time.perf_counter()
         rank = int(peft_config["r"])
-        expected = expected_slots(tensors, rank, float(peft_config["lora_alpha"]) / rank, mgr.lora_config.lora_dtype)
+        expected = expected_slots(tensors, rank, float(peft_config["lora_alpha"]) / rank, mgr.lora_config.lora_dtype,
+                                  self._m3_tp_shard())
         verify_s = time.perf_counter() - t_verify
         try:
             helper.validate_legal(mgr.lora_config)
@@ -180,7 +188,20 @@ class AdapterSyncExtension:
         found = mismatches(expected, installed_slots(am, lora_id, rank))  # installed == held, bitwise
         verify_s += time.perf_counter() - t_verify
         return {"received_checksum": received, "mismatches": found, "verify_ms": verify_s * 1e3,
-                "install_ms": (time.perf_counter() - t0) * 1e3}
+                "install_ms": (time.perf_counter() - t0) * 1e3, "tp_rank": self._m3_tp_shard().rank}
+
+    def _m3_tp_shard(self) -> TPShard:
+        """The shard of the adapter this worker holds (its tensor-parallel rank in the engine)."""
+        if "_m3_shard" not in self.__dict__:
+            from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+            self._m3_shard = TPShard(get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(),
+                                     self.model_runner.model_config.get_total_num_kv_heads(),
+                                     bool(self.vllm_config.parallel_config.enable_expert_parallel))
+        return self._m3_shard
+
+    def m3_tp_shard(self) -> dict:
+        return vars(self._m3_tp_shard())
 
     def _m3_expected_adapter(self, am, lora_id: int, rank: int):
         """vLLM's zero adapter of this rank: the shapes every module expects (built once per rank)."""

