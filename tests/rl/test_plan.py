@@ -81,5 +81,5 @@ def test_overlong_prompts_are_counted_and_too_few_left_fail(math_data):
     ckpt = quantized_tiny_model("float32")
     with pytest.raises(ValueError, match="data.train_files: 0 usable prompts < data.train_batch_size=64"):
         plan(recipe(ckpt, math_data, "data.max_prompt_length=100"))
-    out = plan(recipe(ckpt, math_data, "data.train_batch_size=8"))
-    assert out["data"]["train_dropped_overlong"] == 0 and out["data"]["steps_per_epoch"] == 25
+    out = plan(recipe(ckpt, math_data, "data.train_batch_size=16"))
+    assert out["data"]["train_dropped_overlong"] == 0 and out["data"]["steps_per_epoch"] == 12
