@@ -177,7 +177,8 @@ class Session:
         greedy = evaluate(self.engine, self.eval_rows, k=1, temperature=0.0, max_tokens=c.data.max_response_length,
                           seed=c.trainer.seed, return_details=False)
         return {"pass@1": sampled["avg@k"], "pass@k": sampled["pass@k"], "k": k, "greedy_pass@1": greedy["pass@1"],
-                **{f"pass@{j}_unbiased": v for j, v in sampled["pass@j_unbiased"].items() if j not in ("1", str(k))}}
+                **{f"pass@{j}_unbiased": v for j, v in sampled["pass@j_unbiased"].items() if j not in ("1", str(k))},
+                f"maj@{k}": sampled["val_core"].get(f"acc/maj@{k}/mean", float("nan"))}  # verl's majority vote
 
     def save(self, step: int, extra: dict) -> None:
         tensors = full_adapter_state_dict(self.model, dtype=torch.float32)  # collective; rank 0 gets the tensors

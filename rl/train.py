@@ -12,6 +12,7 @@ With no arguments it runs the embedded default (tiny M3 on the addition task). R
 """
 
 import json
+import math
 import os
 import sys
 import time
@@ -23,7 +24,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rl.agreement import engine_agreement
-from rl.algorithm import grpo_advantages, policy_loss, train_rollout_kl
+from rl.algorithm import compute_advantages, global_batch_info, policy_loss, train_rollout_kl
 from rl.batch import PackedBatch, pack_rollouts
 from rl.check import check_session
 from rl.plan import plan
@@ -84,17 +85,13 @@ def forward(s: Session, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor,
 
 
 def advantages(s: Session, scored: Scored, mask: torch.Tensor) -> torch.Tensor:
-    return grpo_advantages(torch.tensor(scored.rewards), mask, np.array(scored.group_ids),
-                           s.cfg.algorithm.norm_adv_by_std_in_grpo)
+    return compute_advantages(torch.tensor(scored.rewards), mask, np.array(scored.group_ids), s.cfg.algorithm)
 
 
 def loss_of(s: Session, lp, old_lp, adv, mask) -> tuple[torch.Tensor, dict]:
-    loss, metrics = policy_loss(lp, old_lp, adv, mask, s.cfg.algorithm)
-    if s.world > 1:  # FSDP averages gradients over ranks: scale so the sum is the global token mean
-        tokens = torch.tensor([float(mask.sum())])
-        torch.distributed.all_reduce(tokens)
-        loss = loss * (float(mask.sum()) * s.world / float(tokens))
-    return loss, metrics
+    # FSDP averages gradients over ranks; verl's agg_loss scales by dp_size and the global counts to undo it
+    info = global_batch_info(mask, s.world, torch.distributed.all_reduce if s.world > 1 else None)
+    return policy_loss(lp, old_lp, adv, mask, s.cfg.algorithm, s.cfg.actor, info)
 
 
 def update(s: Session, loss: torch.Tensor) -> float | None:
@@ -121,13 +118,15 @@ def step_metrics(s: Session, scored: Scored, loss, loss_metrics: dict, kl: dict,
         by_group.setdefault(g, set()).add(r)
     metrics = {"reward/mean": float(np.mean(rewards)), "reward/acc": float(np.mean(accs)),
                "response/length": float(np.mean([len(r.token_ids) for r in scored.rollouts])),
-               "train/loss": loss.item(), **{f"train_rollout/{k}": v for k, v in kl.items() if k.startswith("kl")},
-               "train_rollout/logprob_abs_diff_mean": kl["logprob_abs_diff_mean"],
-               "is/ratio_mean": kl["is_ratio_mean"], "is/ratio_max": kl["is_ratio_max"],
-               "is/capped_frac": kl["is_ratio_capped_frac"],
+               "train/loss": loss.item(), **{f"train_rollout/{k}": v for k, v in kl.items() if "/" not in k},
+               # verl's IS metrics of the loss (weights after the cap; capped = raw ratio above the threshold)
+               "is/ratio_mean": loss_metrics.get("rollout_corr/rollout_is_mean", math.nan),
+               "is/ratio_max": loss_metrics.get("rollout_corr/rollout_is_max", math.nan),
+               "is/capped_frac": loss_metrics.get("rollout_corr/rollout_is_ratio_fraction_high", math.nan),
                **{f"agreement/{k}": v for k, v in agreement.items()},  # the trainer's own choice vs the engine's
                "groups/mixed_frac": float(np.mean([len(v) > 1 for v in by_group.values()]))}
     metrics.update({f"verl/{k}": v for k, v in loss_metrics.items() if isinstance(v, float)})
+    metrics.update({f"verl/{k}": v for k, v in kl.items() if "/" in k})  # verl's off-policy metrics, float64
     return metrics
 
 
