@@ -204,8 +204,10 @@ class TrainerCfg:
 
 @dataclass
 class LoggerCfg:
-    wandb_mode: WandbMode = WandbMode.offline
-    project: str = "m3rl"
+    wandb_mode: WandbMode = WandbMode.offline  # online: set WANDB_API_KEY (README)
+    project: str = "m3rl"  # verl's trainer.project_name
+    entity: str | None = None  # W&B team or user; None: the API key's default
+    experiment_name: str | None = None  # verl's trainer.experiment_name; None: the run folder's name
     console: bool = True
 
 

@@ -45,6 +45,8 @@ class Scored:
     rewards: list[float]
     accs: list[float]
     group_ids: list[int]
+    texts: list[str]  # decoded responses
+    prompts: list[str]  # each response's prompt (last message)
 
 
 def generate(s: Session, step: int) -> tuple[list[int], list]:
@@ -58,7 +60,7 @@ def generate(s: Session, step: int) -> tuple[list[int], list]:
 
 
 def score(s: Session, idx: list[int], groups: list) -> Scored:
-    out = Scored([], [], [], [])
+    out = Scored([], [], [], [], [], [])
     for g, (i, group) in enumerate(zip(idx, groups)):
         row = s.train_rows[i]
         for r in group:
@@ -68,6 +70,8 @@ def score(s: Session, idx: list[int], groups: list) -> Scored:
             out.rewards.append(float(result["score"]))
             out.accs.append(float(result["acc"]))
             out.group_ids.append(g)
+            out.texts.append(text)
+            out.prompts.append(row["prompt"][-1]["content"])
     return out
 
 
@@ -130,6 +134,18 @@ def step_metrics(s: Session, scored: Scored, loss, loss_metrics: dict, kl: dict,
     return metrics
 
 
+def sample_table(scored: Scored, lp: torch.Tensor, old_lp: torch.Tensor, mask: torch.Tensor, n: int = 8) -> list:
+    """The first responses of the step (the first groups, whole) with their per-token IS ratio pi / pi_rollout: the
+    rows of the W&B rollouts table."""
+    ratio = torch.exp(lp.detach().double() - old_lp.double())  # verl's token IS ratio, per response for the table
+    rows = []
+    for i in range(min(n, len(scored.rollouts))):
+        r = ratio[i][mask[i].bool()]
+        rows.append({"prompt": scored.prompts[i], "response": scored.texts[i], "reward": scored.rewards[i],
+                     "is_ratio_mean": float(r.mean()), "is_ratio_max": float(r.max()), "tokens": int(r.numel())})
+    return rows
+
+
 def grpo_step(s: Session, step: int) -> dict:
     t0 = time.perf_counter()
     idx, groups = generate(s, step)
@@ -140,6 +156,7 @@ def grpo_step(s: Session, step: int) -> dict:
     lp, old_lp, mask, agreement = forward(s, batch)
     loss, loss_metrics = loss_of(s, lp, old_lp, advantages(s, scored, mask), mask)
     metrics = step_metrics(s, scored, loss, loss_metrics, train_rollout_kl(lp.detach(), old_lp, mask), agreement)
+    metrics["samples"] = sample_table(scored, lp, old_lp, mask)  # popped by run(): the W&B table at evals
     grad_norm = update(s, loss)
     t_train = time.perf_counter()
     if grad_norm is None:  # no update, no sync: the engine keeps the last good adapter
@@ -171,13 +188,19 @@ def run(s: Session) -> dict:
             raise RuntimeError(f"rl.check failed at step 0: {json.dumps(check)}")
     summary["eval_before"] = s.evaluate() if s.rank == 0 else {}
     s.log(f"eval before: {summary['eval_before']}")
-    nan_streak = 0
+    logger.log_eval(start, summary["eval_before"])
+    nan_streak, samples = 0, None
     for step in range(start + 1, c.trainer.total_training_steps + 1):
         metrics = grpo_step(s, step)
+        samples = metrics.pop("samples", None) or samples
         nan_streak = nan_streak + 1 if metrics.get("train/skipped_nonfinite") else 0
+        evaluated = None
         if c.trainer.test_freq and step % c.trainer.test_freq == 0 and s.rank == 0:
-            metrics.update({f"eval/{k}": v for k, v in s.evaluate().items()})
+            evaluated = s.evaluate()
+            metrics.update({f"eval/{k}": v for k, v in evaluated.items()})
         logger.log(step, metrics)
+        if evaluated is not None:
+            logger.log_eval(step, evaluated, samples)
         if nan_streak >= c.trainer.max_nan_steps:
             s.save(step, {"stopped": "non-finite loss"})
             raise RuntimeError(f"{nan_streak} non-finite steps in a row (step {step}); checkpoint saved")
@@ -185,6 +208,7 @@ def run(s: Session) -> dict:
             s.save(step, {})
     summary["eval_after"] = s.evaluate() if s.rank == 0 else {}
     s.log(f"eval after: {summary['eval_after']}")
+    logger.log_eval(c.trainer.total_training_steps, summary["eval_after"], samples)  # and the final plots
     rows = logger.rows
     summary["steps"] = c.trainer.total_training_steps
     summary["nonfinite_steps"] = int(sum(r.get("train/skipped_nonfinite", 0) or 0 for r in rows))
@@ -195,6 +219,8 @@ def run(s: Session) -> dict:
     summary["world_size"] = s.world
     if s.rank == 0:
         write_adapter(final, s.lora_cfg, s.run_dir / "final_adapter")
+        logger.log_artifact(s.run_dir / "final_adapter")
+        summary["plots"] = sorted(str(p) for p in (s.run_dir / "plots").glob("*.png"))
         (s.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     logger.close()
     return summary
