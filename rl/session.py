@@ -37,7 +37,8 @@ class Session:
         np.random.seed(cfg.trainer.seed)
         self.run_dir = Path(cfg.trainer.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.train_rows, self.eval_rows, self.data_stats = load_splits(cfg.data)
+        self.train_rows, self.eval_rows, self.data_stats = load_splits(cfg.data,
+                                                                       Path(cfg.trainer.cache_dir) / "datasets")
         self.model_path, self.warmup_stats = self._base_checkpoint()
         # The warm-up above ran on every core; the RL phase runs the trainer and the in-process engine on
         # M3RL_TORCH_THREADS (default 1). Measured on the 2-core CPU: 2 threads make the engine's adapter generate
