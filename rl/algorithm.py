@@ -17,7 +17,8 @@ import numpy as np
 import torch
 from verl.trainer.config.algorithm import AlgoConfig, RolloutCorrectionConfig
 from verl.trainer.ppo import core_algos
-from verl.trainer.ppo.rollout_corr_helper import SUPPORTED_ROLLOUT_RS_OPTIONS, compute_rollout_corr_metrics_from_logprobs
+from verl.trainer.ppo.rollout_corr_helper import (SUPPORTED_ROLLOUT_RS_OPTIONS,
+                                                  compute_rollout_corr_metrics_from_logprobs)
 from verl.workers.config.actor import ActorConfig, PolicyLossConfig
 
 BYPASS_LOSS_MODE = "bypass_mode"

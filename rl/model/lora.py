@@ -231,7 +231,8 @@ def write_adapter(tensors: dict[str, torch.Tensor], cfg: LoRAConfig, out_dir) ->
     tmp = out.with_name(out.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"))
-    (tmp / "adapter_config.json").write_text(json.dumps(peft_config(cfg), indent=2, sort_keys=True))  # save_pretrained's
+    # the layout of peft's save_pretrained
+    (tmp / "adapter_config.json").write_text(json.dumps(peft_config(cfg), indent=2, sort_keys=True))
     if out.exists():
         import shutil
 

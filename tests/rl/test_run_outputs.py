@@ -84,3 +84,20 @@ def test_offline_wandb_run_has_config_metrics_eval_curve_table_plots_and_adapter
     models = [a for a in w["artifacts"] if a[1] == "model"]
     assert len(models) == 1 and models[0][0].startswith("final_adapter-")
     assert sorted(models[0][2]) == ["adapter_config.json", "adapter_model.safetensors"]
+
+
+def test_final_adapter_config_is_peft_loraconfig(run_dir):
+    from peft import LoraConfig
+
+    from rl.model.lora import LoRAConfig, peft_config
+
+    loaded = LoraConfig.from_pretrained(str(run_dir / "final_adapter"))
+    assert (loaded.r, loaded.lora_alpha, sorted(loaded.target_modules)) == (32, 64.0, sorted(LoRAConfig().target_modules))
+    assert loaded.target_parameters == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    written = json.loads((run_dir / "final_adapter" / "adapter_config.json").read_text())
+    assert written == peft_config(LoRAConfig())  # what the engine receives in memory is what is on disk
+    resaved = run_dir / "resaved"
+    loaded.save_pretrained(str(resaved))  # peft's own writer: the same keys and values (lists up to order)
+    theirs = json.loads((resaved / "adapter_config.json").read_text())
+    assert {k: sorted(v) if isinstance(v, list) else v for k, v in theirs.items()} == {
+        k: sorted(v) if isinstance(v, list) else v for k, v in written.items()}
