@@ -76,8 +76,8 @@ def attribute(model: M3ForTraining, batch: PackedBatch, replay: dict[str, bool],
             agreement = engine_agreement(m, stats, batch, on)
         kl = train_rollout_kl(lp, batch.rollout_logprobs, batch.response_mask)
         delta = (lp - batch.rollout_logprobs)[batch.response_mask].abs()
-        rows[name] = {"kl_k3": kl["kl_k3"], "kl_k1": kl["kl_k1"], "logprob_abs_diff_mean": float(delta.mean()),
-                      "logprob_abs_diff_max": float(delta.max()),
+        rows[name] = {"kl_k3": kl["kl_k3"], "kl_k1": kl["kl_k1"], "logprob_abs_diff_mean": kl["logprob_abs_diff_mean"],
+                      "logprob_abs_diff_max": kl["logprob_abs_diff_max"],
                       "frac_abs_diff_gt_0.1": float((delta > 0.1).float().mean()),
                       **{f"agreement_{k}": v for k, v in agreement.items()}}
     return {"variants": rows, "what": VARIANTS, "tokens": int(batch.response_mask.sum())}

@@ -31,8 +31,17 @@ class OnBadRow(StrEnum):
     error = "error"  # with the row id
 
 
-class AdvEstimator(StrEnum):
+class AdvEstimator(StrEnum):  # verl's registered outcome estimators (core_algos.get_adv_estimator_fn); gae needs a
+    # critic, remax greedy baselines, *optimal_token_baseline sum(pi^2) from the actor, gdpo per-dimension rewards
     grpo = "grpo"
+    grpo_vectorized = "grpo_vectorized"
+    grpo_passk = "grpo_passk"
+    rloo = "rloo"
+    rloo_vectorized = "rloo_vectorized"
+    opo = "opo"
+    reinforce_plus_plus = "reinforce_plus_plus"
+    reinforce_plus_plus_baseline = "reinforce_plus_plus_baseline"
+    gpg = "gpg"
 
 
 class RolloutIS(StrEnum):
@@ -110,6 +119,8 @@ class RolloutCorrectionCfg:
 class AlgorithmCfg:
     adv_estimator: AdvEstimator = AdvEstimator.grpo
     norm_adv_by_std_in_grpo: bool = True
+    gamma: float = 1.0  # verl's key: reinforce_plus_plus's discount
+    lam: float = 1.0  # verl's key (GAE's lambda, which needs a critic: kept for verl's AlgoConfig)
     loss_agg_mode: str = "token-mean"
     rollout_correction: RolloutCorrectionCfg = field(default_factory=RolloutCorrectionCfg)
 
@@ -132,6 +143,12 @@ class FSDPCfg:  # under torchrun (world size > 1); see rl/model/fsdp.py
 class ActorCfg:
     ppo_epochs: int = 1
     ppo_mini_batch_size: int | None = None  # None = data.train_batch_size: one optimizer step per batch
+    # verl's ActorConfig keys and defaults; the clip ratios act with rollout_correction.loss_type=ppo_clip
+    clip_ratio: float = 0.2
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    loss_scale_factor: int | None = None  # seq-mean-token-sum-norm's divisor (None: the padded response length)
     routing_replay: bool = True
     block_replay: bool = True  # the engine's MSA blocks are part of the same forward (always captured)
     optim: OptimCfg = field(default_factory=OptimCfg)
@@ -188,8 +205,10 @@ class TrainerCfg:
 
 @dataclass
 class LoggerCfg:
-    wandb_mode: WandbMode = WandbMode.offline
-    project: str = "m3rl"
+    wandb_mode: WandbMode = WandbMode.offline  # online: set WANDB_API_KEY (README)
+    project: str = "m3rl"  # verl's trainer.project_name
+    entity: str | None = None  # W&B team or user; None: the API key's default
+    experiment_name: str | None = None  # verl's trainer.experiment_name; None: the run folder's name
     console: bool = True
 
 

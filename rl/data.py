@@ -9,7 +9,9 @@ A row (verl ``examples/data_preprocess``, DAPO-Math-17K)::
      "extra_info": {"index": 0, ...}}
 
 - ``load_verl_parquet`` reads any file in that schema; rows with missing or malformed fields are counted
-  and skipped, or rejected with their row ids (``on_bad_row="skip"|"error"``).
+  and skipped, or rejected with their row ids (``on_bad_row="skip"|"error"``). Files are read through Hugging Face
+  ``datasets`` (parquet, json/jsonl, or a ``save_to_disk`` folder), memory-mapped Arrow in batches, offline, cached
+  under the run's ``trainer.cache_dir``/datasets.
 - ``load_dapo_math_17k`` / ``load_aime_2024`` read those data sets from a path (nothing is fetched). AIME-2024
   comes in three layouts: verl schema (``BytedTsinghua-SIA/AIME-2024``, 30 problems x 32 copies = 960 rows),
   ``ID/Problem/Solution/Answer`` (``Maxwell-Jia/AIME_2024``, lm-eval's ``aime24``) and lower-case
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import re
 from collections.abc import Mapping
@@ -159,18 +162,37 @@ def _dedup_key(row: Mapping) -> str:
 # ----------------------------------------------------------------------------------------------
 # loading
 
-def _columns(path) -> list[str]:
-    import pyarrow.parquet as pq
+def _cache_dir(cache_dir=None) -> str:
+    """Where `datasets` keeps its Arrow copies: the caller's (a run's trainer.cache_dir), HF_DATASETS_CACHE, else
+    ./cache/datasets; never $HOME."""
+    return str(cache_dir or os.environ.get("HF_DATASETS_CACHE") or Path("cache") / "datasets")
 
-    return list(pq.ParquetFile(path).schema_arrow.names)
+
+def open_dataset(path, cache_dir=None):
+    """A memory-mapped `datasets.Dataset` of a parquet / json(l) file or a `save_to_disk` folder; local files only."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # read before `datasets` is first imported: never the Hub
+    import datasets
+
+    datasets.disable_progress_bars()  # stdout/stderr carry our reports
+    p = Path(path)
+    if p.is_dir():
+        ds = datasets.load_from_disk(str(p))
+        return ds["train"] if isinstance(ds, datasets.DatasetDict) else ds
+    if not p.is_file():
+        raise FileNotFoundError(f"no data file or dataset folder at {path}")
+    builder = "json" if p.suffix in (".json", ".jsonl") else "parquet"
+    return datasets.load_dataset(builder, data_files=str(p.resolve()), split="train", cache_dir=_cache_dir(cache_dir))
 
 
-def _iter_rows(path) -> Iterator[dict]:
-    import pyarrow.parquet as pq
+def _columns(path, cache_dir=None) -> list[str]:
+    return list(open_dataset(path, cache_dir).column_names)
 
-    # Batches keep the 1.79 M-row DAPO file from becoming one 1.79 M-dict list before dedup.
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=8192):
-        yield from batch.to_pylist()
+
+def _iter_rows(path, cache_dir=None) -> Iterator[dict]:
+    # Batches from the memory-mapped Arrow table: the 1.79 M-row DAPO file never becomes a 1.79 M-dict list.
+    for batch in open_dataset(path, cache_dir).iter(batch_size=8192):
+        names = list(batch)
+        yield from (dict(zip(names, values)) for values in zip(*batch.values()))
 
 
 def _collect(path, layout: str, rows: Iterator[tuple[int, dict, list[str]]], *, on_bad_row: OnBadRow,
@@ -206,26 +228,28 @@ def _collect(path, layout: str, rows: Iterator[tuple[int, dict, list[str]]], *, 
 
 
 def load_verl_parquet(path, *, on_bad_row: OnBadRow = "skip", dedup: bool = False,
-                      normalize_int_answers: bool = False,
-                      expect_reward: str | None = None) -> tuple[list[dict], LoadReport]:
+                      normalize_int_answers: bool = False, expect_reward: str | None = None,
+                      cache_dir=None) -> tuple[list[dict], LoadReport]:
     """Rows of a verl-schema parquet file plus a report of what was dropped and why.
 
     ``expect_reward``: rows whose data_source routes to another reward are bad rows (e.g. a GSM8K file
     passed where DAPO was meant would otherwise be scored by a different function without notice)."""
-    missing = [c for c in SCHEMA_FIELDS if c not in _columns(path)]
+    columns = _columns(path, cache_dir)
+    missing = [c for c in SCHEMA_FIELDS if c not in columns]
     if missing:
-        raise SchemaError(f"{path}: columns {missing} missing (has {_columns(path)}); expected verl's schema")
-    rows = ((i, row, []) for i, row in enumerate(_iter_rows(path)))
+        raise SchemaError(f"{path}: columns {missing} missing (has {columns}); expected verl's schema")
+    rows = ((i, row, []) for i, row in enumerate(_iter_rows(path, cache_dir)))
     return _collect(path, "verl", rows, on_bad_row=on_bad_row, dedup=dedup,
                     normalize_int_answers=normalize_int_answers, expect_reward=expect_reward)
 
 
-def load_dapo_math_17k(path, *, on_bad_row: OnBadRow = "skip", dedup: bool = True) -> tuple[list[dict], LoadReport]:
+def load_dapo_math_17k(path, *, on_bad_row: OnBadRow = "skip", dedup: bool = True,
+                       cache_dir=None) -> tuple[list[dict], LoadReport]:
     """DAPO-Math-17K (verl schema, data_source ``math_dapo``). The Hub file repeats each of ~17.4 k problems
     ~100x (1.79 M rows); ``dedup`` keeps the first copy, so an epoch of the cursor sees each problem once
     and a GRPO batch never holds two groups of the same prompt."""
     return load_verl_parquet(path, on_bad_row=on_bad_row, dedup=dedup, normalize_int_answers=True,
-                             expect_reward="math_dapo")
+                             expect_reward="math_dapo", cache_dir=cache_dir)
 
 
 AIME_FLAT_LAYOUTS = {
@@ -253,8 +277,8 @@ def _answer_text(value) -> str | None:
     return str(value).strip() or None
 
 
-def _aime_flat_rows(path, spec: dict, data_source: str) -> Iterator[tuple[int, dict, list[str]]]:
-    for i, flat in enumerate(_iter_rows(path)):
+def _aime_flat_rows(path, spec: dict, data_source: str, cache_dir=None) -> Iterator[tuple[int, dict, list[str]]]:
+    for i, flat in enumerate(_iter_rows(path, cache_dir)):
         problem, answer = flat.get(spec["problem"]), _answer_text(flat.get(spec["answer"]))
         problems = []
         if not _nonempty_str(problem):
@@ -272,17 +296,17 @@ def _aime_flat_rows(path, spec: dict, data_source: str) -> Iterator[tuple[int, d
 
 
 def load_aime_2024(path, *, on_bad_row: OnBadRow = "skip", dedup: bool = False,
-                   data_source: str = AIME_SOURCE) -> tuple[list[dict], LoadReport]:
+                   data_source: str = AIME_SOURCE, cache_dir=None) -> tuple[list[dict], LoadReport]:
     """AIME-2024 in any of the three layouts, as verl-schema rows scored by math_dapo.
 
     ``dedup`` is off by default: the verl-schema file's 32 copies per problem are how DAPO measures avg@32
     with one sample per row. Flat layouts get ``data_source`` (default ``aime-2024``); verl-schema rows
     keep theirs, which must route to math_dapo."""
-    layout = detect_aime_layout(_columns(path))
+    layout = detect_aime_layout(_columns(path, cache_dir))
     if layout == "verl":
-        rows = ((i, row, []) for i, row in enumerate(_iter_rows(path)))
+        rows = ((i, row, []) for i, row in enumerate(_iter_rows(path, cache_dir)))
     else:
-        rows = _aime_flat_rows(path, AIME_FLAT_LAYOUTS[layout], data_source)
+        rows = _aime_flat_rows(path, AIME_FLAT_LAYOUTS[layout], data_source, cache_dir)
     return _collect(path, layout, rows, on_bad_row=on_bad_row, dedup=dedup, normalize_int_answers=True,
                     expect_reward="math_dapo")
 
@@ -341,7 +365,7 @@ def make_addition_splits(n_train: int | None = None, n_eval: int | None = 500, s
     return train, evals
 
 
-def load_splits(data_cfg) -> tuple[list[dict], list[dict], dict]:
+def load_splits(data_cfg, cache_dir=None) -> tuple[list[dict], list[dict], dict]:
     """(train rows, eval rows, counts of bad rows) for a run's `data` config: the built-in addition task, or the
     parquet files of `data.kind` (DAPO-Math-17K trains against AIME-2024)."""
     if data_cfg.train_files == "builtin":
@@ -351,9 +375,9 @@ def load_splits(data_cfg) -> tuple[list[dict], list[dict], dict]:
         if not Path(data_cfg[key]).is_file():
             raise FileNotFoundError(f"data.{key}: no file at {data_cfg[key]}")
     loaders = {"verl": load_verl_parquet, "dapo_math_17k": load_dapo_math_17k, "aime_2024": load_aime_2024}
-    train, rep_t = loaders[data_cfg.kind](data_cfg.train_files, on_bad_row=data_cfg.on_bad_row)
+    train, rep_t = loaders[data_cfg.kind](data_cfg.train_files, on_bad_row=data_cfg.on_bad_row, cache_dir=cache_dir)
     val_loader = load_aime_2024 if data_cfg.kind == "dapo_math_17k" else load_verl_parquet
-    evals, rep_e = val_loader(data_cfg.val_files, on_bad_row=data_cfg.on_bad_row)
+    evals, rep_e = val_loader(data_cfg.val_files, on_bad_row=data_cfg.on_bad_row, cache_dir=cache_dir)
     return train, evals[:data_cfg.val_size], {"bad_rows_train": rep_t.n_bad, "bad_rows_val": rep_e.n_bad}
 
 

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from rl.data import load_verl_parquet, prompt_token_ids
 from rl.rewards import compute_score
 from rollout.adapter_sync import SERVED_LORA_RANKS
@@ -158,7 +160,11 @@ def pass_at(n: int, c: int, j: int) -> float:
 
 
 def aggregate(details: list[dict], k: int) -> dict:
-    """Metrics of per-row details (each with `acc`/`score`/`response_tokens`/`finish_reason` lists of length k)."""
+    """Metrics of per-row details (each with `acc`/`score`/`response_tokens`/`finish_reason` lists of length k).
+
+    avg@k and `val_core` come from verl's `process_validation_metrics` (mean@k, bootstrap best@k / maj@k over the
+    `pred`s, reduced over prompts as verl's trainer does). pass@1 (the first sample), pass@k (any correct) and the
+    unbiased pass@j stay ours: verl has only the bootstrap best@N (resampled with replacement, so below pass@N)."""
     if not details:
         raise ValueError("no rows to aggregate")
     for d in details:
@@ -166,19 +172,38 @@ def aggregate(details: list[dict], k: int) -> dict:
             raise ValueError(f"row {d.get('index')}: {len(d['acc'])} samples, expected k={k}")
     flat = [(a, s, t, f) for d in details
             for a, s, t, f in zip(d["acc"], d["score"], d["response_tokens"], d["finish_reason"])]
+    val_core = verl_validation_metrics(details, k)
     return {
         "n_prompts": len(details),
         "k": k,
         "pass@1": _mean(d["acc"][0] for d in details),
-        "avg@k": _mean(a for a, *_ in flat),
+        "avg@k": val_core[f"acc/mean@{k}"],
         "pass@k": _mean(float(max(d["acc"])) for d in details),
         # unbiased pass@j for j = 1, 2, 4, .. <= k from the same k samples (pass@k above is its j = k case)
         "pass@j_unbiased": {str(j): _mean(pass_at(k, sum(d["acc"]), j) for d in details)
                             for j in (2 ** i for i in range(k.bit_length())) if j <= k},
+        "val_core": val_core,
         "score_mean": _mean(s for _, s, _, _ in flat),
         "response_tokens_mean": _mean(t for _, _, t, _ in flat),
         "truncated_frac": _mean(float(f == "length") for *_, f in flat),
     }
+
+
+def verl_validation_metrics(details: list[dict], k: int, seed: int = 42) -> dict:
+    """verl's per-prompt validation statistics of acc and score, averaged over prompts (its trainer's `val-core`
+    reduction); keys as verl names them: `acc/mean@k`, `acc/best@k/mean`, `acc/maj@k/mean`, ..."""
+    from verl.trainer.ppo.metric_utils import process_validation_metrics  # verl's import costs seconds: on use
+
+    uids = [str(i) for i, d in enumerate(details) for _ in range(k)]  # one group per row, whatever its index
+    infos = {"acc": [float(a) for d in details for a in d["acc"]]}  # score: a second bootstrap, same signal
+    if all("pred" in d for d in details):
+        infos["pred"] = [str(p) for d in details for p in d["pred"]]
+    state = np.random.get_state()  # verl's bootstrap reseeds numpy's global generator
+    try:
+        var2metric = process_validation_metrics(["all"] * len(uids), uids, infos, seed=seed)["all"]
+    finally:
+        np.random.set_state(state)
+    return {f"{var}/{name}": float(value) for var, metrics in var2metric.items() for name, value in metrics.items()}
 
 
 def evaluate(engine_or_client, rows: list[dict], k: int = 4, *, temperature: float = 1.0, max_tokens: int = 256,

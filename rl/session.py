@@ -41,7 +41,8 @@ class Session:
         np.random.seed(cfg.trainer.seed)
         self.run_dir = Path(cfg.trainer.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.train_rows, self.eval_rows, self.data_stats = load_splits(cfg.data)
+        self.train_rows, self.eval_rows, self.data_stats = load_splits(cfg.data,
+                                                                       Path(cfg.trainer.cache_dir) / "datasets")
         self.model_path, self.warmup_stats = self._base_checkpoint()
         # The warm-up above ran on every core; the RL phase runs the trainer and the in-process engine on
         # M3RL_TORCH_THREADS (default 1). Measured on the 2-core CPU: 2 threads make the engine's adapter generate
@@ -201,7 +202,8 @@ class Session:
         greedy = evaluate(self.engine, self.eval_rows, k=1, temperature=0.0, max_tokens=c.data.max_response_length,
                           seed=c.trainer.seed, return_details=False)
         return {"pass@1": sampled["avg@k"], "pass@k": sampled["pass@k"], "k": k, "greedy_pass@1": greedy["pass@1"],
-                **{f"pass@{j}_unbiased": v for j, v in sampled["pass@j_unbiased"].items() if j not in ("1", str(k))}}
+                **{f"pass@{j}_unbiased": v for j, v in sampled["pass@j_unbiased"].items() if j not in ("1", str(k))},
+                f"maj@{k}": sampled["val_core"].get(f"acc/maj@{k}/mean", float("nan"))}  # verl's majority vote
 
     def save(self, step: int, extra: dict) -> None:
         tensors = full_adapter_state_dict(self.model, dtype=torch.float32)  # collective; rank 0 gets the tensors

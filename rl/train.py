@@ -15,6 +15,7 @@ With no arguments it runs the embedded default (tiny M3 on the addition task). R
 
 import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -26,7 +27,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rl.agreement import engine_agreement
-from rl.algorithm import grpo_advantages, policy_loss, train_rollout_kl
+from rl.algorithm import compute_advantages, global_batch_info, policy_loss, train_rollout_kl
 from rl.batch import PackedBatch, pack_rollouts
 from rl.check import check_session
 from rl.plan import plan
@@ -47,6 +48,8 @@ class Scored:
     rewards: list[float]
     accs: list[float]
     group_ids: list[int]
+    texts: list[str]  # decoded responses
+    prompts: list[str]  # each response's prompt (last message)
 
 
 def generate(s: Session, step: int) -> tuple[list[int], list]:
@@ -65,7 +68,7 @@ def generate(s: Session, step: int) -> tuple[list[int], list]:
 
 
 def score(s: Session, idx: list[int], groups: list) -> Scored:
-    out = Scored([], [], [], [])
+    out = Scored([], [], [], [], [], [])
     for g, (i, group) in enumerate(zip(idx, groups)):
         row = s.train_rows[i]
         for r in group:
@@ -75,6 +78,8 @@ def score(s: Session, idx: list[int], groups: list) -> Scored:
             out.rewards.append(float(result["score"]))
             out.accs.append(float(result["acc"]))
             out.group_ids.append(g)
+            out.texts.append(text)
+            out.prompts.append(row["prompt"][-1]["content"])
     return out
 
 
@@ -92,17 +97,13 @@ def forward(s: Session, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor,
 
 
 def advantages(s: Session, scored: Scored, mask: torch.Tensor) -> torch.Tensor:
-    return grpo_advantages(torch.tensor(scored.rewards), mask, np.array(scored.group_ids),
-                           s.cfg.algorithm.norm_adv_by_std_in_grpo)
+    return compute_advantages(torch.tensor(scored.rewards), mask, np.array(scored.group_ids), s.cfg.algorithm)
 
 
 def loss_of(s: Session, lp, old_lp, adv, mask) -> tuple[torch.Tensor, dict]:
-    loss, metrics = policy_loss(lp, old_lp, adv, mask, s.cfg.algorithm)
-    if s.world > 1:  # FSDP averages gradients over ranks: scale so the sum is the global token mean
-        tokens = torch.tensor([float(mask.sum())])
-        torch.distributed.all_reduce(tokens)
-        loss = loss * (float(mask.sum()) * s.world / float(tokens))
-    return loss, metrics
+    # FSDP averages gradients over ranks; verl's agg_loss scales by dp_size and the global counts to undo it
+    info = global_batch_info(mask, s.world, torch.distributed.all_reduce if s.world > 1 else None)
+    return policy_loss(lp, old_lp, adv, mask, s.cfg.algorithm, s.cfg.actor, info)
 
 
 def update(s: Session, loss: torch.Tensor) -> float | None:
@@ -129,14 +130,28 @@ def step_metrics(s: Session, scored: Scored, loss, loss_metrics: dict, kl: dict,
         by_group.setdefault(g, set()).add(r)
     metrics = {"reward/mean": float(np.mean(rewards)), "reward/acc": float(np.mean(accs)),
                "response/length": float(np.mean([len(r.token_ids) for r in scored.rollouts])),
-               "train/loss": loss.item(), **{f"train_rollout/{k}": v for k, v in kl.items() if k.startswith("kl")},
-               "train_rollout/logprob_abs_diff_mean": kl["logprob_abs_diff_mean"],
-               "is/ratio_mean": kl["is_ratio_mean"], "is/ratio_max": kl["is_ratio_max"],
-               "is/capped_frac": kl["is_ratio_capped_frac"],
+               "train/loss": loss.item(), **{f"train_rollout/{k}": v for k, v in kl.items() if "/" not in k},
+               # verl's IS metrics of the loss (weights after the cap; capped = raw ratio above the threshold)
+               "is/ratio_mean": loss_metrics.get("rollout_corr/rollout_is_mean", math.nan),
+               "is/ratio_max": loss_metrics.get("rollout_corr/rollout_is_max", math.nan),
+               "is/capped_frac": loss_metrics.get("rollout_corr/rollout_is_ratio_fraction_high", math.nan),
                **{f"agreement/{k}": v for k, v in agreement.items()},  # the trainer's own choice vs the engine's
                "groups/mixed_frac": float(np.mean([len(v) > 1 for v in by_group.values()]))}
     metrics.update({f"verl/{k}": v for k, v in loss_metrics.items() if isinstance(v, float)})
+    metrics.update({f"verl/{k}": v for k, v in kl.items() if "/" in k})  # verl's off-policy metrics, float64
     return metrics
+
+
+def sample_table(scored: Scored, lp: torch.Tensor, old_lp: torch.Tensor, mask: torch.Tensor, n: int = 8) -> list:
+    """The first responses of the step (the first groups, whole) with their per-token IS ratio pi / pi_rollout: the
+    rows of the W&B rollouts table."""
+    ratio = torch.exp(lp.detach().double() - old_lp.double())  # verl's token IS ratio, per response for the table
+    rows = []
+    for i in range(min(n, len(scored.rollouts))):
+        r = ratio[i][mask[i].bool()]
+        rows.append({"prompt": scored.prompts[i], "response": scored.texts[i], "reward": scored.rewards[i],
+                     "is_ratio_mean": float(r.mean()), "is_ratio_max": float(r.max()), "tokens": int(r.numel())})
+    return rows
 
 
 def grpo_step(s: Session, step: int) -> dict:
@@ -149,6 +164,7 @@ def grpo_step(s: Session, step: int) -> dict:
     lp, old_lp, mask, agreement = forward(s, batch)
     loss, loss_metrics = loss_of(s, lp, old_lp, advantages(s, scored, mask), mask)
     metrics = step_metrics(s, scored, loss, loss_metrics, train_rollout_kl(lp.detach(), old_lp, mask), agreement)
+    metrics["samples"] = sample_table(scored, lp, old_lp, mask)  # popped by run(): the W&B table at evals
     grad_norm = update(s, loss)
     t_train = time.perf_counter()
     if grad_norm is None:  # no update, no sync: the engine keeps the last good adapter
@@ -183,13 +199,19 @@ def run(s: Session) -> dict:
     # replica 0's engine evaluates (all its ranks: a tensor-parallel engine generates together); rank 0 reports
     summary["eval_before"] = s.evaluate() if s.replica == 0 else {}
     s.log(f"eval before: {summary['eval_before']}")
-    nan_streak = 0
+    logger.log_eval(start, summary["eval_before"])
+    nan_streak, samples = 0, None
     for step in range(start + 1, c.trainer.total_training_steps + 1):
         metrics = grpo_step(s, step)
+        samples = metrics.pop("samples", None) or samples
         nan_streak = nan_streak + 1 if metrics.get("train/skipped_nonfinite") else 0
-        if c.trainer.test_freq and step % c.trainer.test_freq == 0 and s.replica == 0:
-            metrics.update({f"eval/{k}": v for k, v in s.evaluate().items()})
+        evaluated = None
+        if c.trainer.test_freq and step % c.trainer.test_freq == 0 and s.replica == 0:  # a TP engine: all its ranks
+            evaluated = s.evaluate()
+            metrics.update({f"eval/{k}": v for k, v in evaluated.items()})
         logger.log(step, metrics)
+        if evaluated is not None:
+            logger.log_eval(step, evaluated, samples)
         if nan_streak >= c.trainer.max_nan_steps:
             s.save(step, {"stopped": "non-finite loss"})
             raise RuntimeError(f"{nan_streak} non-finite steps in a row (step {step}); checkpoint saved")
@@ -197,6 +219,7 @@ def run(s: Session) -> dict:
             s.save(step, {})
     summary["eval_after"] = s.evaluate() if s.replica == 0 else {}
     s.log(f"eval after: {summary['eval_after']}")
+    logger.log_eval(c.trainer.total_training_steps, summary["eval_after"], samples)  # and the final plots
     rows = logger.rows
     summary["steps"] = c.trainer.total_training_steps
     summary["nonfinite_steps"] = int(sum(r.get("train/skipped_nonfinite", 0) or 0 for r in rows))
@@ -207,6 +230,8 @@ def run(s: Session) -> dict:
     summary["world_size"] = s.world
     if s.rank == 0:
         write_adapter(final, s.lora_cfg, s.run_dir / "final_adapter")
+        logger.log_artifact(s.run_dir / "final_adapter")
+        summary["plots"] = sorted(str(p) for p in (s.run_dir / "plots").glob("*.png"))
         (s.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     logger.close()
     return summary

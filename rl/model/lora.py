@@ -186,13 +186,17 @@ def adapter_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> di
 
 
 def peft_config(cfg: LoRAConfig) -> dict:
-    """adapter_config.json content peft and vLLM read (target_parameters = the 3D expert format)."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
-            "lora_dropout": cfg.dropout, "target_modules": sorted(cfg.target_modules), "bias": "none",
-            "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if cfg.target_experts else None,
-            "exclude_modules": None if cfg.target_indexer else ["indexer.q_proj", "indexer.k_proj"],
-            "use_rslora": False, "use_dora": False, "inference_mode": True, "fan_in_fan_out": False,
-            "init_lora_weights": True, "modules_to_save": None, "base_model_name_or_path": None}
+    """adapter_config.json content: peft's own `LoraConfig(...).to_dict()` as `save_pretrained` writes it (sets as
+    lists, here sorted so the file is the same in every process), which peft and vLLM read back
+    (`target_parameters` = the 3D expert format)."""
+    from peft import LoraConfig  # peft imports transformers' model machinery: only when an adapter is written/sent
+
+    lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, bias="none", task_type="CAUSAL_LM",
+                      target_modules=sorted(cfg.target_modules), inference_mode=True,
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if cfg.target_experts
+                      else None,
+                      exclude_modules=None if cfg.target_indexer else ["indexer.q_proj", "indexer.k_proj"])
+    return json.loads(json.dumps({k: sorted(v) if isinstance(v, set) else v for k, v in lora.to_dict().items()}))
 
 
 def load_adapter_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
@@ -227,7 +231,8 @@ def write_adapter(tensors: dict[str, torch.Tensor], cfg: LoRAConfig, out_dir) ->
     tmp = out.with_name(out.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"))
-    (tmp / "adapter_config.json").write_text(json.dumps(peft_config(cfg), indent=2) + "\n")
+    # the layout of peft's save_pretrained
+    (tmp / "adapter_config.json").write_text(json.dumps(peft_config(cfg), indent=2, sort_keys=True))
     if out.exists():
         import shutil
 

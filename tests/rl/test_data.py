@@ -2,6 +2,7 @@
 DAPO-Math-17K and AIME-2024 layouts on tiny fixtures, chat-template token ids and the resumable cursor."""
 
 import importlib.util
+import json
 import re
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ from rl.data import (
     load_aime_2024,
     load_dapo_math_17k,
     load_verl_parquet,
+    open_dataset,
     make_addition_splits,
     prompt_token_ids,
     split_of,
@@ -250,3 +252,21 @@ def test_cursor_resumes_exactly():
     for bad in ({"seed": 12}, {"n": 8}, {"shuffle": False}, {"position": 7}, {"version": 0}):
         with pytest.raises(ValueError):
             DataCursor(7, seed=11).load_state_dict({**state, **bad})
+
+
+def test_json_and_saved_datasets_load_offline_into_the_given_cache(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # nothing may land in $HOME
+    rows = [_good_row(extra_info={"index": i}) for i in range(5)]
+    rows[2] = {**rows[2], "reward_model": {"style": "rule", "ground_truth": ""}}
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_rows(rows, tmp_path / "rows.parquet")
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    cache = tmp_path / "cache"
+    for source in ("rows.jsonl", "rows.parquet", "saved"):
+        kept, report = load_verl_parquet(tmp_path / source, cache_dir=cache)
+        assert [r["extra_info"]["index"] for r in kept] == [0, 1, 3, 4] and report.n_bad == 1, source
+        assert report.bad[0].row_id == "index=2"
+    assert any(cache.rglob("*.arrow")) and not (tmp_path / "home").exists()
+    assert isinstance(open_dataset(tmp_path / "rows.parquet", cache), datasets.Dataset)
