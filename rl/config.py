@@ -154,6 +154,7 @@ class RolloutCfg:
     enable_expert_parallel: bool = False  # vLLM's expert parallelism inside each engine (GPUs)
     free_cache_engine: bool = False  # verl's key: the engine sleeps (level 1) while the trainer runs (GPUs)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to vllm.LLM as they are (GPU flags)
+    max_restarts: int = 0  # a failed engine (dead process) is rebuilt and the step retried, this often per run
 
 
 @dataclass
@@ -176,6 +177,7 @@ class TrainerCfg:
     resume: bool = True
     seed: int = 0
     max_nan_steps: int = 3  # this many non-finite losses in a row stop the run (with a checkpoint)
+    max_actor_ckpt_to_keep: int | None = None  # verl's key: only the newest this many checkpoints stay (null: all)
     check_at_start: bool = True
     eval_k: int = 4  # samples per eval problem at rollout.temperature (pass@1 = their mean accuracy); greedy too
     cache_dir: str = "cache"

@@ -50,9 +50,9 @@ def generate(s: Session, step: int) -> tuple[list[int], list]:
     """This rank's share of the step's prompts, and n rollouts for each."""
     c = s.cfg
     idx = s.cursor.next_batch(c.data.train_batch_size)[s.rank::s.world]
-    groups = s.engine.generate([s.train_prompts[i] for i in idx], n=c.rollout.n, temperature=c.rollout.temperature,
-                               top_p=c.rollout.top_p, max_tokens=c.data.max_response_length, stop_token_ids=s.eos,
-                               seed=c.trainer.seed * 100003 + step)
+    groups = s.engine_call("generate", lambda engine: engine.generate(
+        [s.train_prompts[i] for i in idx], n=c.rollout.n, temperature=c.rollout.temperature, top_p=c.rollout.top_p,
+        max_tokens=c.data.max_response_length, stop_token_ids=s.eos, seed=c.trainer.seed * 100003 + step))
     return idx, groups
 
 
@@ -161,6 +161,8 @@ def run(s: Session) -> dict:
     logger = MetricsLogger(s.run_dir, c, OmegaConf.to_container(c, resolve=True, enum_to_str=True),
                            enabled=s.rank == 0)
     start = s.resume()
+    if s.rank == 0 and c.trainer.resume:
+        drop_rows_after(s.run_dir / "metrics.jsonl", start)
     s.sync_adapter()
     summary = {"run_dir": str(s.run_dir), "seed": c.trainer.seed, "model": s.model_path, "warmup": s.warmup_stats,
                "data": s.data_stats, "resumed_from_step": start}
@@ -174,7 +176,7 @@ def run(s: Session) -> dict:
     s.log(f"eval before: {summary['eval_before']}")
     nan_streak = 0
     for step in range(start + 1, c.trainer.total_training_steps + 1):
-        metrics = grpo_step(s, step)
+        metrics = {**grpo_step(s, step), "engine/restarts": s.engine_restarts}
         nan_streak = nan_streak + 1 if metrics.get("train/skipped_nonfinite") else 0
         if c.trainer.test_freq and step % c.trainer.test_freq == 0 and s.rank == 0:
             metrics.update({f"eval/{k}": v for k, v in s.evaluate().items()})
@@ -199,6 +201,20 @@ def run(s: Session) -> dict:
         (s.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     logger.close()
     return summary
+
+
+def drop_rows_after(path, step: int) -> None:
+    """A run resumed from `step` logs the later steps again: drop their rows (and a line cut by a kill)."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line)
+        except (ValueError, KeyError):
+            continue
+    path.write_text("".join(f"{line}\n" for line in keep))
 
 
 @hydra.main(config_path="../configs", config_name="config", version_base=None)
