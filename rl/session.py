@@ -50,6 +50,9 @@ class Session:
         self.train_rows, self.train_prompts, dropped = encode_prompts(self.train_rows, self.tokenizer, max_prompt)
         self.eval_rows, self.eval_prompts, _ = encode_prompts(self.eval_rows, self.tokenizer, max_prompt)
         self.data_stats["dropped_overlong"] = len(dropped)
+        if not self.train_rows or not self.eval_rows:
+            raise ValueError(f"data.max_prompt_length={max_prompt}: no {'train' if not self.train_rows else 'eval'} "
+                             "prompt fits (all longer)")
         self.eos = [self.tokenizer.convert_tokens_to_ids("<|im_end|>"), self.tokenizer.eos_token_id]
         self.lora_cfg = LoRAConfig(**OmegaConf.to_container(cfg.model.lora))
         self.model = self._trainer_model()
