@@ -172,6 +172,7 @@ class RolloutCfg:
     enable_expert_parallel: bool = False  # vLLM's expert parallelism inside each engine (GPUs)
     free_cache_engine: bool = False  # verl's key: the engine sleeps (level 1) while the trainer runs (GPUs)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to vllm.LLM as they are (GPU flags)
+    max_restarts: int = 0  # a failed engine (dead process) is rebuilt and the step retried, this often per run
 
 
 @dataclass
@@ -194,6 +195,7 @@ class TrainerCfg:
     resume: bool = True
     seed: int = 0
     max_nan_steps: int = 3  # this many non-finite losses in a row stop the run (with a checkpoint)
+    max_actor_ckpt_to_keep: int | None = None  # verl's key: only the newest this many checkpoints stay (null: all)
     check_at_start: bool = True
     eval_k: int = 4  # samples per eval problem at rollout.temperature (pass@1 = their mean accuracy); greedy too
     cache_dir: str = "cache"
@@ -225,6 +227,59 @@ class Config:
     logger: LoggerCfg = field(default_factory=LoggerCfg)
 
 
+_SEED = (0, 2**32 - 1)  # numpy's seed range
+# Bounds of every numeric key (Hydra checks only types): (low, high), None = unbounded, a "(" or ")" marks an open
+# end. validate checks them (floats must also be finite); tests/rl/test_config_fuzz.py draws values outside each and
+# fails for a numeric field of the schema that is missing here.
+BOUNDS = {
+    "model.moe_chunk_tokens": (0, None), "model.lora.rank": (1, None), "model.lora.alpha": ("(", 0, None),
+    "model.lora.dropout": (0.0, 1.0, ")"),
+    "warmup.max_steps": (0, None), "warmup.batch_size": (1, None), "warmup.lr": ("(", 0.0, None),
+    "warmup.eval_every": (1, None), "warmup.coarse_eval_every": (1, None), "warmup.target_sampled_acc": (0.0, 1.0),
+    "data.train_batch_size": (1, None), "data.val_size": (1, None), "data.max_prompt_length": (1, None),
+    "data.max_response_length": (1, None), "data.seed": _SEED,
+    "algorithm.rollout_correction.rollout_is_threshold": ("(", 1.0, None),
+    "algorithm.rollout_correction.rollout_rs_threshold": ("(", 0.0, None),
+    "actor.ppo_epochs": (1, 1), "actor.ppo_mini_batch_size": (1, None), "actor.optim.lr": ("(", 0.0, None),
+    "actor.optim.betas": (0.0, 1.0, ")"), "actor.optim.weight_decay": (0.0, None),
+    "actor.optim.grad_clip": ("(", 0.0, None),
+    "actor.optim.lr_warmup_steps": (0, None),
+    "rollout.n": (2, None), "rollout.temperature": ("(", 0.0, None), "rollout.top_p": ("(", 0.0, 1.0),
+    "rollout.max_num_seqs": (1, None), "rollout.max_model_len": (1, None), "rollout.kv_cache_memory_bytes": (1, None),
+    "rollout.gpu_memory_utilization": ("(", 0.0, 1.0), "rollout.tensor_model_parallel_size": (1, None),
+    "rollout.max_restarts": (0, None),
+    "check.max_mean_abs_logprob_diff": (0.0, None), "check.max_kl": (0.0, None),
+    "check.min_replayed_agreement": (0.0, 1.0), "check.min_agreement": (0.0, 1.0), "check.batch_prompts": (1, None),
+    "trainer.total_training_steps": (1, None), "trainer.save_freq": (1, None), "trainer.test_freq": (0, None),
+    "trainer.seed": _SEED, "trainer.max_nan_steps": (1, None), "trainer.max_actor_ckpt_to_keep": (1, None),
+    "trainer.eval_k": (1, None), "trainer.nnodes": (1, None), "trainer.n_gpus_per_node": (1, None),
+}
+NONEMPTY = ("model.path", "data.train_files", "data.val_files", "trainer.run_dir", "trainer.cache_dir",
+            "logger.project")  # "" would be the working directory or no file at all
+
+
+def _check_bounds(cfg) -> None:
+    import math
+
+    for key, bound in BOUNDS.items():
+        lo_open, hi_open = bound[0] == "(", bound[-1] == ")"
+        lo, hi = [b for b in bound if b not in ("(", ")")]
+        value = OmegaConf.select(cfg, key)
+        for v in (value if OmegaConf.is_list(value) else [value]):
+            if v is None:
+                continue  # Optional keys only: Hydra rejects null elsewhere
+            above = lo is None or (v > lo if lo_open else v >= lo)
+            below = hi is None or (v < hi if hi_open else v <= hi)
+            if not (above and below and (not isinstance(v, float) or math.isfinite(v))):
+                where = f"{'(' if lo_open else '['}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}"
+                raise ValueError(f"{key}={value}: must be in {where}{')' if hi_open else ']'}")
+    if len(cfg.actor.optim.betas) != 2:
+        raise ValueError(f"actor.optim.betas={cfg.actor.optim.betas}: Adam takes two")
+    for key in NONEMPTY:
+        if not str(OmegaConf.select(cfg, key)).strip():
+            raise ValueError(f"{key}: empty")
+
+
 def validate(cfg) -> None:
     """Value checks Hydra's types cannot express; one error naming the key. Runs before anything heavy."""
     rc = cfg.algorithm.rollout_correction
@@ -252,6 +307,7 @@ def validate(cfg) -> None:
     if cfg.rollout.max_model_len < need:
         raise ValueError(f"rollout.max_model_len={cfg.rollout.max_model_len} < data.max_prompt_length + "
                          f"data.max_response_length = {need}: the engine could not hold a full response")
+    _check_bounds(cfg)
     LoRAConfig(**OmegaConf.to_container(cfg.model.lora)).validate()
     from rl.algorithm import check_algorithm_config  # imports verl (seconds): only when a run is validated
 

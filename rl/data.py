@@ -78,6 +78,7 @@ class LoadReport:
     n_kept: int = 0
     n_duplicates: int = 0  # dropped by dedup
     n_gt_normalized: int = 0  # integer ground truths rewritten, e.g. "035" -> "35"
+    n_duplicate_ids: int = 0  # kept rows whose extra_info.index an earlier kept row has (their ids are ambiguous)
     bad: list[BadRow] = field(default_factory=list)
 
     @property
@@ -86,7 +87,8 @@ class LoadReport:
 
     def summary(self) -> str:
         return (f"{self.path} [{self.layout}]: read {self.n_read}, kept {self.n_kept}, bad {self.n_bad}, "
-                f"duplicates dropped {self.n_duplicates}, ground truths normalized {self.n_gt_normalized}")
+                f"duplicates dropped {self.n_duplicates}, ground truths normalized {self.n_gt_normalized}, "
+                f"duplicate ids {self.n_duplicate_ids}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -199,7 +201,7 @@ def _collect(path, layout: str, rows: Iterator[tuple[int, dict, list[str]]], *, 
              dedup: bool, normalize_int_answers: bool, expect_reward: str | None) -> tuple[list[dict], LoadReport]:
     if on_bad_row not in ("skip", "error"):
         raise ValueError(f"on_bad_row must be 'skip' or 'error', got {on_bad_row!r}")
-    report, kept, seen = LoadReport(str(path), layout), [], set()
+    report, kept, seen, ids = LoadReport(str(path), layout), [], set(), set()
     for position, row, problems in rows:
         report.n_read += 1
         problems = problems or validate_row(row)
@@ -220,6 +222,8 @@ def _collect(path, layout: str, rows: Iterator[tuple[int, dict, list[str]]], *, 
                 report.n_duplicates += 1
                 continue
             seen.add(key)
+        report.n_duplicate_ids += row_id(row, position) in ids
+        ids.add(row_id(row, position))
         kept.append(row)
     report.n_kept = len(kept)
     if report.bad and on_bad_row == "error":
@@ -302,7 +306,10 @@ def load_aime_2024(path, *, on_bad_row: OnBadRow = "skip", dedup: bool = False,
     ``dedup`` is off by default: the verl-schema file's 32 copies per problem are how DAPO measures avg@32
     with one sample per row. Flat layouts get ``data_source`` (default ``aime-2024``); verl-schema rows
     keep theirs, which must route to math_dapo."""
-    layout = detect_aime_layout(_columns(path, cache_dir))
+    try:
+        layout = detect_aime_layout(_columns(path, cache_dir))
+    except SchemaError as e:
+        raise SchemaError(f"{path}: {e}") from None  # the file, as the other loaders' errors name it
     if layout == "verl":
         rows = ((i, row, []) for i, row in enumerate(_iter_rows(path, cache_dir)))
     else:
@@ -378,6 +385,10 @@ def load_splits(data_cfg, cache_dir=None) -> tuple[list[dict], list[dict], dict]
     train, rep_t = loaders[data_cfg.kind](data_cfg.train_files, on_bad_row=data_cfg.on_bad_row, cache_dir=cache_dir)
     val_loader = load_aime_2024 if data_cfg.kind == "dapo_math_17k" else load_verl_parquet
     evals, rep_e = val_loader(data_cfg.val_files, on_bad_row=data_cfg.on_bad_row, cache_dir=cache_dir)
+    for key, rows, rep in (("train_files", train, rep_t), ("val_files", evals, rep_e)):
+        if not rows:  # before any model starts, not as an empty batch deep in training
+            raise ValueError(f"data.{key}: no usable row in {rep.summary()}"
+                             + (f"; e.g. {rep.bad[0].row_id}: {', '.join(rep.bad[0].reasons)}" if rep.bad else ""))
     return train, evals[:data_cfg.val_size], {"bad_rows_train": rep_t.n_bad, "bad_rows_val": rep_e.n_bad}
 
 

@@ -55,6 +55,9 @@ class Session:
         self.train_rows, self.train_prompts, dropped = encode_prompts(self.train_rows, self.tokenizer, max_prompt)
         self.eval_rows, self.eval_prompts, _ = encode_prompts(self.eval_rows, self.tokenizer, max_prompt)
         self.data_stats["dropped_overlong"] = len(dropped)
+        if not self.train_rows or not self.eval_rows:
+            raise ValueError(f"data.max_prompt_length={max_prompt}: no {'train' if not self.train_rows else 'eval'} "
+                             "prompt fits (all longer)")
         self.eos = [self.tokenizer.convert_tokens_to_ids("<|im_end|>"), self.tokenizer.eos_token_id]
         self.lora_cfg = LoRAConfig(**OmegaConf.to_container(cfg.model.lora))
         self.model = self._trainer_model()
@@ -66,6 +69,8 @@ class Session:
             self.optimizer, lambda i: min(1.0, (i + 1) / o.lr_warmup_steps) if o.lr_warmup_steps > 0 else 1.0)
         self.cursor = DataCursor(len(self.train_rows), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         self.engine = self._engine()
+        self.engine_restarts = 0  # over the run; rollout.max_restarts bounds it
+        self.adapter_synced = False
 
     def _base_checkpoint(self) -> tuple[str, dict]:
         path = self.cfg.model.path
@@ -172,16 +177,8 @@ class Session:
     def sync_adapter(self) -> dict:
         """Send only the adapter to the engine, in memory; every rank must have installed the same bytes."""
         tensors, peft_cfg = self.adapter()
-        try:
-            info, error = self.engine.load_adapter(tensors, peft_cfg), None
-        except Exception as e:  # noqa: BLE001  (reported to every rank below, then raised)
-            if self.world == 1:
-                raise
-            info, error = None, e
-        errors = {r: msg for r, msg in enumerate(self.all_gather(None if error is None else f"{type(error).__name__}: "
-                                                                 f"{error}")) if msg}
-        if errors:  # every rank stops, none waits in a collective for the one that failed
-            raise RuntimeError(f"adapter sync failed on rank(s) {sorted(errors)}: {errors}") from error
+        info = self.engine_call("adapter sync", lambda engine: engine.load_adapter(tensors, peft_cfg))
+        self.adapter_synced = True
         if info["checksum"] != adapter_checksum(tensors):
             raise RuntimeError("adapter sync: the engine's checksum differs from the trainer's; stopping")
         ranks = self.all_gather((info["checksum"], info["tp_ranks"]))
@@ -190,6 +187,42 @@ class Session:
         info["rank_checksums"] = [c for c, _ in ranks]
         info["rank_tp_ranks"] = [t for _, t in ranks]  # the engine shard each rank installed and verified
         return info
+
+    def engine_call(self, stage: str, fn):
+        """`fn(engine)`, decided by every rank together. An engine that fails (a dead engine-core or worker process,
+        an error inside vLLM) fails the step on every rank with one error naming the engine and the cause, before
+        anything of the step is saved; with rollout.max_restarts=N (over the run) the failed engines are rebuilt,
+        the adapter the trainer holds reinstalled (load_adapter checks installed == held) and `fn` run again."""
+        out, done, rebuild, tensors = None, False, False, None
+        while True:
+            error = None
+            try:
+                if rebuild:
+                    self._rebuild_engine(tensors)
+                    rebuild = False
+                if not done:
+                    out, done = fn(self.engine), True
+            except Exception as e:  # noqa: BLE001  (decided with the other ranks below, then raised)
+                error = e
+            report = None if error is None else f"{self.engine.describe()}: {type(error).__name__}: {error}"
+            failed = {r: msg for r, msg in enumerate(self.all_gather(report)) if msg}
+            if not failed:
+                return out
+            limit = self.cfg.rollout.max_restarts
+            if self.engine_restarts >= limit:  # every rank stops, none waits in a collective for the one that failed
+                raise RuntimeError(f"{stage} failed on rank(s) {sorted(failed)}: {failed} (engine restarts used: "
+                                   f"{self.engine_restarts} of rollout.max_restarts={limit})") from error
+            self.engine_restarts += 1
+            self.log(f"WARNING: {stage} failed on rank(s) {sorted(failed)}: {failed}; rebuilding the engine "
+                     f"(restart {self.engine_restarts} of rollout.max_restarts={limit})")
+            tensors = self.adapter() if self.adapter_synced else None  # collective: on every rank
+            rebuild = error is not None or self.tp > 1  # a TP engine is rebuilt by all its ranks together
+
+    def _rebuild_engine(self, adapter) -> None:
+        self.engine.close()
+        self.engine = self._engine()
+        if adapter is not None:
+            self.engine.load_adapter(*adapter)
 
     def evaluate(self) -> dict:
         """On the eval split, through the colocated engine (rl.eval): pass@1 of the policy being trained (k samples
@@ -206,22 +239,23 @@ class Session:
                 f"maj@{k}": sampled["val_core"].get(f"acc/maj@{k}/mean", float("nan"))}  # verl's majority vote
 
     def save(self, step: int, extra: dict) -> None:
-        tensors = full_adapter_state_dict(self.model, dtype=torch.float32)  # collective; rank 0 gets the tensors
-        if self.rank == 0:
-            checkpointing.save(self.run_dir, step, tensors, self.lora_cfg,
-                               self.optimizer if self.world == 1 else None, self.cursor, {**extra, "world": self.world})
-        self.barrier()
+        adapter = full_adapter_state_dict(self.model, dtype=torch.float32)  # collective; rank 0 gets the tensors
+        checkpointing.save(self.run_dir, step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                           cursor=self.cursor, adapter_fp32=adapter, lora_cfg=self.lora_cfg, extra=extra,
+                           rank=self.rank, world=self.world, barrier=self.barrier,
+                           keep=self.cfg.trainer.max_actor_ckpt_to_keep)
 
     def resume(self) -> int:
-        """The step to continue after: that of the latest checkpoint in the run folder (0 when none)."""
-        latest = checkpointing.latest(self.run_dir) if self.cfg.trainer.resume else None
-        if latest is None:
+        """The step to continue after: that of the newest valid checkpoint in the run folder (0 when none). Newer
+        ones that are incomplete or corrupt are named in a warning and passed over."""
+        if not self.cfg.trainer.resume:
             return 0
-        if self.world > 1:
-            raise ValueError(f"trainer.resume: resuming a {self.world}-rank run is not supported yet ({latest}); "
-                             "set trainer.resume=false or a new trainer.run_dir")
-        start = checkpointing.load(latest, self.model, self.optimizer, self.cursor)["step"]
-        for _ in range(start):  # the learning-rate schedule is a function of the step
-            self.scheduler.step()
-        self.log(f"resumed from {latest} at step {start}")
+        path, skipped = checkpointing.newest_valid(self.run_dir)
+        for problem in skipped:
+            self.log(f"WARNING: skipping checkpoint: {problem}")
+        if path is None:
+            return 0
+        start = checkpointing.load(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                                   cursor=self.cursor, rank=self.rank, world=self.world)["step"]
+        self.log(f"resumed from {path} at step {start}")
         return start

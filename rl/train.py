@@ -58,9 +58,9 @@ def generate(s: Session, step: int) -> tuple[list[int], list]:
     on disjoint parts of it, so the ranks' parts cover the batch once."""
     c = s.cfg
     idx = s.cursor.next_batch(c.data.train_batch_size)[s.replica::s.replicas]
-    groups = s.engine.generate([s.train_prompts[i] for i in idx], n=c.rollout.n, temperature=c.rollout.temperature,
-                               top_p=c.rollout.top_p, max_tokens=c.data.max_response_length, stop_token_ids=s.eos,
-                               seed=c.trainer.seed * 100003 + step)
+    groups = s.engine_call("generate", lambda engine: engine.generate(
+        [s.train_prompts[i] for i in idx], n=c.rollout.n, temperature=c.rollout.temperature, top_p=c.rollout.top_p,
+        max_tokens=c.data.max_response_length, stop_token_ids=s.eos, seed=c.trainer.seed * 100003 + step))
     s.check_engine_group_agrees(hashlib.sha256(repr([[r.token_ids for r in g] for g in groups]).encode()).hexdigest(),
                                 "rollouts")
     s.engine.sleep()  # free_cache_engine: the trainer gets the memory until the sync wakes the engine
@@ -186,6 +186,8 @@ def run(s: Session) -> dict:
     logger = MetricsLogger(s.run_dir, c, OmegaConf.to_container(c, resolve=True, enum_to_str=True),
                            enabled=s.rank == 0)
     start = s.resume()
+    if s.rank == 0 and c.trainer.resume:
+        drop_rows_after(s.run_dir / "metrics.jsonl", start)
     s.sync_adapter()
     summary = {"run_dir": str(s.run_dir), "seed": c.trainer.seed, "model": s.model_path, "warmup": s.warmup_stats,
                "data": s.data_stats, "resumed_from_step": start}
@@ -202,7 +204,7 @@ def run(s: Session) -> dict:
     logger.log_eval(start, summary["eval_before"])
     nan_streak, samples = 0, None
     for step in range(start + 1, c.trainer.total_training_steps + 1):
-        metrics = grpo_step(s, step)
+        metrics = {**grpo_step(s, step), "engine/restarts": s.engine_restarts}
         samples = metrics.pop("samples", None) or samples
         nan_streak = nan_streak + 1 if metrics.get("train/skipped_nonfinite") else 0
         evaluated = None
@@ -235,6 +237,20 @@ def run(s: Session) -> dict:
         (s.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     logger.close()
     return summary
+
+
+def drop_rows_after(path, step: int) -> None:
+    """A run resumed from `step` logs the later steps again: drop their rows (and a line cut by a kill)."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line)
+        except (ValueError, KeyError):
+            continue
+    path.write_text("".join(f"{line}\n" for line in keep))
 
 
 @hydra.main(config_path="../configs", config_name="config", version_base=None)

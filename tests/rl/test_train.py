@@ -4,6 +4,7 @@ heavy work, non-finite losses skipped without syncing and stopping with a checkp
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -76,12 +77,12 @@ def test_nonfinite_loss_skips_step_without_sync_and_stops_with_checkpoint(sessio
     assert session.engine.llm.collective_rpc("m3_installed_checksum", args=(1,))[0] == before  # not synced
     session.cfg.trainer.total_training_steps = 5
     session.cfg.trainer.max_nan_steps = 2
-    (session.run_dir / "checkpoints" / "latest").unlink()
+    shutil.rmtree(session.run_dir / "checkpoints")  # start over: from step 0
     with pytest.raises(RuntimeError, match="2 non-finite steps in a row"):
         train.run(session)
     latest = (session.run_dir / "checkpoints" / "latest").read_text().strip()
-    meta = json.loads((session.run_dir / "checkpoints" / latest / "meta.json").read_text())
-    assert meta["stopped"] == "non-finite loss"
+    state = json.loads((session.run_dir / "checkpoints" / latest / "state.json").read_text())
+    assert state["stopped"] == "non-finite loss"
 
 
 @pytest.mark.parametrize("override,message", [
@@ -157,7 +158,23 @@ def _train_cmd(run_dir, model_dir, steps):
     return [sys.executable, "-m", "rl.train", *fast_overrides(run_dir, model_dir, steps)]
 
 
-def test_resume_after_sigkill_reaches_the_same_adapter_bytes(tmp_path, model_dir):
+# Wall-clock fields, the only ones a resumed run's metrics rows may differ in.
+TIMING_FIELDS = ("time/", "sync/ms", "sync/verify_ms")
+
+
+def comparable_rows(run_dir) -> list[dict]:
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING_FIELDS)} for r in rows]
+
+
+def adapter_bytes(run_dir, step=3) -> bytes:
+    return (Path(run_dir) / "checkpoints" / f"step_{step:06d}" / "adapter" / "adapter_model.safetensors").read_bytes()
+
+
+def test_resume_after_sigkill_and_from_a_corrupt_checkpoint_matches_an_uninterrupted_run(tmp_path, model_dir):
+    """SIGKILL after the second checkpoint, the same command again: the run finishes with the adapter bytes and the
+    per-step metrics (timing aside) of a run never killed. Then the newest checkpoint's adapter is truncated and the
+    same command resumes from the one before, warning with the file's name, to the same bytes again."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     full = tmp_path / "full"
     subprocess.run(_train_cmd(full, model_dir, 3), cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
@@ -174,6 +191,15 @@ def test_resume_after_sigkill_reaches_the_same_adapter_bytes(tmp_path, model_dir
                    timeout=600)
     summary = json.loads((killed / "summary.json").read_text())
     assert summary["resumed_from_step"] in (2, 3)
-    a = (full / "checkpoints" / "step_000003" / "adapter" / "adapter_model.safetensors").read_bytes()
-    b = (killed / "checkpoints" / "step_000003" / "adapter" / "adapter_model.safetensors").read_bytes()
-    assert a == b
+    assert adapter_bytes(full) == adapter_bytes(killed)
+    expect = comparable_rows(full)
+    assert [r["step"] for r in expect] == [1, 2, 3] and comparable_rows(killed) == expect
+
+    original = adapter_bytes(full)
+    newest = full / "checkpoints" / "step_000003" / "adapter" / "adapter_model.safetensors"
+    newest.write_bytes(original[: len(original) // 2])
+    p = subprocess.run(_train_cmd(full, model_dir, 3), cwd=ROOT, env=env, check=True, capture_output=True,
+                       text=True, timeout=600)
+    assert f"skipping checkpoint: {newest}: checksum mismatch" in p.stderr, p.stderr[-3000:]
+    assert json.loads((full / "summary.json").read_text())["resumed_from_step"] == 2
+    assert adapter_bytes(full) == original and comparable_rows(full) == expect

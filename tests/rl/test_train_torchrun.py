@@ -9,13 +9,17 @@ failed adapter sync stops both; neither hangs."""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
+
 from m3.tiny import ensure_tiny_model
-from tests.rl.test_train import fast_overrides
+from tests.rl.test_train import adapter_bytes, comparable_rows, fast_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,10 +30,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(module_args: list[str], timeout: int = 900) -> subprocess.CompletedProcess:
+def torchrun_cmd(module_args: list[str]) -> tuple[list[str], dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), *module_args]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return cmd, dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+
+
+def torchrun(module_args: list[str], timeout: int = 900) -> subprocess.CompletedProcess:
+    cmd, env = torchrun_cmd(module_args)
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -84,3 +92,33 @@ def test_faults_on_one_rank_are_decided_by_both(tmp_path):
     assert p.returncode != 0
     out = p.stdout + p.stderr
     assert out.count("adapter sync failed on rank(s) [1]") >= 2, out[-3000:]  # raised on both ranks
+
+
+@pytest.mark.slow  # ~4-5 min on the 2-core CPU (three 2-rank runs); result in results/reliability.json
+def test_two_rank_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path):
+    """Both ranks (and their engines) SIGKILLed after the second checkpoint; the same torchrun command again resumes
+    each rank's LoRA and optimizer shards, RNG states and cursor, and ends with the adapter bytes and per-step
+    metrics (timing aside) of a 2-rank run never killed."""
+    model_dir = ensure_tiny_model(dtype="float32").vllm
+    args = lambda run: ["-m", "rl.train", *fast_overrides(run, model_dir, steps=3), "data.train_batch_size=4",  # noqa: E731
+                        "actor.fsdp_config.shard_base=true"]
+    p = torchrun(args(tmp_path / "full"))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    killed = tmp_path / "killed"
+    cmd, env = torchrun_cmd(args(killed))
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 900
+    while not (killed / "checkpoints" / "step_000002").is_dir() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (killed / "checkpoints" / "step_000002").is_dir()
+    assert {p.name for p in (killed / "checkpoints" / "step_000002" / "dcp").iterdir()} >= {
+        ".metadata", "__0_0.distcp", "__1_0.distcp"}  # each rank wrote its shards
+    p = torchrun(args(killed))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert json.loads((killed / "summary.json").read_text())["resumed_from_step"] in (2, 3)
+    assert adapter_bytes(tmp_path / "full") == adapter_bytes(killed)
+    expect = comparable_rows(tmp_path / "full")
+    assert [r["step"] for r in expect] == [1, 2, 3] and comparable_rows(killed) == expect
