@@ -193,9 +193,9 @@ class AdapterSyncExtension:
     def _m3_tp_shard(self) -> TPShard:
         """The shard of the adapter this worker holds (its tensor-parallel rank in the engine)."""
         if "_m3_shard" not in self.__dict__:
-            from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+            from vllm.distributed import parallel_state as ps  # where they are defined (the package star-imports them)
 
-            self._m3_shard = TPShard(get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(),
+            self._m3_shard = TPShard(ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
                                      self.model_runner.model_config.get_total_num_kv_heads(),
                                      bool(self.vllm_config.parallel_config.enable_expert_parallel))
         return self._m3_shard
