@@ -55,6 +55,7 @@ __all__ = [
     "parse_quant_config",
     "quantize_mxfp8",
     "quantize_nvfp4",
+    "read_headers",
 ]
 
 NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
@@ -235,6 +236,30 @@ class _Info:
     shape: tuple[int, ...]
 
 
+def read_headers(path: str | os.PathLike) -> dict[str, _Info]:
+    """Every tensor of a checkpoint directory (its index's shards, else every *.safetensors) -> file, dtype,
+    shape, from the safetensors headers only."""
+    path = Path(path)
+    index = path / INDEX_FILE
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors files")
+    info = {}
+    for name in files:
+        if not (path / name).is_file():
+            raise CheckpointError(f"{path}: {INDEX_FILE} names {name}, which is not there")
+        with safe_open(path / name, "pt") as f:
+            for key in f.keys():
+                sl = f.get_slice(key)
+                if key in info:
+                    raise CheckpointError(f"{key}: stored in both {info[key].file.name} and {name}")
+                info[key] = _Info(path / name, sl.get_dtype(), tuple(sl.get_shape()))
+    return info
+
+
 class QuantizedCheckpoint:
     """A checkpoint directory opened lazily: headers now, tensors on ``read`` / ``tensor``."""
 
@@ -247,28 +272,10 @@ class QuantizedCheckpoint:
         if qcfg is None and legacy.is_file():
             qcfg, where = json.loads(legacy.read_text()), "hf_quant_config.json"
         self.scheme = parse_quant_config(qcfg, where)
-        self._info = self._read_headers()
+        self._info = read_headers(self.path)
         self._modules = self._validate()
 
     # -- layout -----------------------------------------------------------------------------
-    def _read_headers(self) -> dict[str, _Info]:
-        index = self.path / INDEX_FILE
-        if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        else:
-            files = sorted(p.name for p in self.path.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(f"{self.path}: no *.safetensors files")
-        info = {}
-        for name in files:
-            with safe_open(self.path / name, "pt") as f:
-                for key in f.keys():
-                    sl = f.get_slice(key)
-                    if key in info:
-                        raise CheckpointError(f"{key}: stored in both {info[key].file.name} and {name}")
-                    info[key] = _Info(self.path / name, sl.get_dtype(), tuple(sl.get_shape()))
-        return info
-
     def _validate(self) -> dict[str, str | None]:
         """Check every module's tensors against its format (headers only); prefix -> algo."""
         modules: dict[str, str | None] = {}

@@ -18,34 +18,20 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from m3.weights import weight_specs
-from quant.checkpoint import QuantizedCheckpoint
+from quant.checkpoint import QuantizedCheckpoint, read_headers
 from rl.config import validate, world_size
 from rl.data import encode_prompts, load_splits
 from rl.sizing import Setup, Shape, load_m3_config, setup_from_config, size
 
-INDEX_FILE = "model.safetensors.index.json"
 NVFP4_LAYOUTS = {  # companion tensors of a packed E2M1 weight, by checkpoint layout
     "modelopt": ("weight", "weight_scale", "weight_scale_2"),
     "compressed-tensors": ("weight_packed", "weight_scale", "weight_global_scale"),
 }
 
 
-def read_headers(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """tensor name -> (dtype, shape), from the safetensors headers only."""
-    from safetensors import safe_open
-
-    index = path / INDEX_FILE
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
-        else sorted(p.name for p in path.glob("*.safetensors"))
-    out = {}
-    for name in files:
-        if not (path / name).is_file():
-            raise FileNotFoundError(f"model.path: {INDEX_FILE} names {name}, which is not in {path}")
-        with safe_open(path / name, "pt") as f:
-            for key in f.keys():
-                sl = f.get_slice(key)
-                out[key] = (sl.get_dtype(), tuple(sl.get_shape()))
-    return out
+def _headers(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """tensor name -> (dtype, shape), from the safetensors headers only (quant.checkpoint's reader)."""
+    return {name: (i.dtype, i.shape) for name, i in read_headers(path).items()}
 
 
 def _kind(module: str) -> str:
@@ -74,7 +60,7 @@ def _nvfp4_problems(module: str, shape: tuple[int, ...], headers: dict) -> tuple
 
 def check_checkpoint(path: Path, text_config: dict) -> dict:
     """Every module the model needs, in the served format; fused expert stacks accepted for routed experts."""
-    headers = read_headers(path)
+    headers = _headers(path)
     specs = weight_specs(text_config)
     problems, layouts, fused_layers = [], set(), set()
     for name, (shape, _, _) in specs.items():
@@ -121,7 +107,7 @@ def check_data(cfg, tokenizer_path: Path) -> dict:
     train, evals, bad = load_splits(cfg.data)
     tok = AutoTokenizer.from_pretrained(tokenizer_path)
     kept, ids, dropped = encode_prompts(train, tok, cfg.data.max_prompt_length)
-    _, eval_ids, eval_dropped = encode_prompts(evals, tok, cfg.data.max_prompt_length)
+    _, _, eval_dropped = encode_prompts(evals, tok, cfg.data.max_prompt_length)
     lengths = sorted(len(x) for x in ids) or [0]
     return {"train_rows": len(train), "val_rows": len(evals), **bad, "train_dropped_overlong": len(dropped),
             "val_dropped_overlong": len(eval_dropped), "prompt_tokens_median": lengths[len(lengths) // 2],
