@@ -346,5 +346,13 @@ def validate_layout(cfg, world: int) -> None:
                          "trains on at least one prompt per step")
 
 
+# Hydra's own settings for every m3rl config (configs/config.yaml and the recipes list `m3rl_hydra` after the
+# schema): logs go to stderr because stdout carries the step lines, rl.check's JSON and the dry run's plan; the run's
+# files go to trainer.run_dir, not ./outputs/DATE.
+HYDRA_SETTINGS = {"hydra": {"job_logging": {"handlers": {"console": {"stream": "ext://sys.stderr"}}},
+                            "run": {"dir": "${trainer.run_dir}"}, "output_subdir": "hydra", "job": {"chdir": False}}}
+
+
 def register() -> None:
     ConfigStore.instance().store(name="m3rl_schema", node=Config)
+    ConfigStore.instance().store(name="m3rl_hydra", node=HYDRA_SETTINGS)
