@@ -133,8 +133,6 @@ class RolloutEngine:
                 "m3_enable_capture", kwargs={"routing": cfg.capture_routing, "blocks": cfg.capture_blocks})[0]
         self.adapter_loaded = False
         self.adapter_version = 0
-        self._closing = False
-        self._watch_engine_core()
 
     # -- adapters -------------------------------------------------------------------------------------------
     def load_adapter(self, tensors: dict, peft_config: dict) -> dict:
@@ -244,39 +242,6 @@ class RolloutEngine:
         manager = getattr(getattr(client, "resources", None), "engine_manager", None)
         return [{"name": p.name, "pid": p.pid, "exitcode": p.exitcode} for p in getattr(manager, "processes", [])]
 
-    def _watch_engine_core(self) -> None:
-        """vLLM 0.32's SyncMPClient notices a dead EngineCore process (its monitor shuts the client down) but wakes
-        nothing that waits on it: LLM.generate then blocks in its output queue and collective_rpc in its utility
-        future, forever. This thread wakes both with EngineDeadError once an engine-core process exits."""
-        import multiprocessing.connection
-        import threading
-        import weakref
-
-        client = getattr(self.llm.llm_engine, "engine_core", None)
-        procs = getattr(getattr(getattr(client, "resources", None), "engine_manager", None), "processes", None)
-        if not procs or not hasattr(client, "outputs_queue"):
-            return  # in-process engine: a failure raises in this process
-        client_ref, engine_ref = weakref.ref(client), weakref.ref(self)
-
-        def watch():
-            from vllm.v1.engine.exceptions import EngineDeadError
-
-            for ready in multiprocessing.connection.wait([p.sentinel for p in procs]):
-                next(p for p in procs if p.sentinel == ready).join(timeout=5)  # reaped: its exit code is known
-            engine, c = engine_ref(), client_ref()
-            if engine is None or engine._closing or c is None:
-                return
-            c.resources.engine_dead = True
-            c.outputs_queue.put_nowait(EngineDeadError())
-            for future in list(c.utility_results.values()):
-                if not future.done():
-                    try:
-                        future.set_exception(EngineDeadError())
-                    except Exception:  # noqa: BLE001  (resolved meanwhile)
-                        pass
-
-        threading.Thread(target=watch, name="m3-engine-core-watch", daemon=True).start()
-
     def describe(self) -> str:
         """This engine and the state of its processes, for an error message: which engine failed and how."""
         import signal
@@ -310,7 +275,6 @@ class RolloutEngine:
     def close(self) -> None:
         import gc
 
-        self._closing = True  # its processes exit now: not a failure
         if hasattr(self, "llm"):  # a failed restart may close an engine twice
             del self.llm
         gc.collect()

@@ -4,6 +4,7 @@ A patch = (name, vLLM releases it was written for, condition, apply). `apply_all
 holds, once per process. Tests in tests/rollout/test_plugin_patches.py check each patch's target still exists.
 """
 
+import contextlib
 import importlib.util
 
 import torch
@@ -181,6 +182,30 @@ def _patch_cpu_punica_ops() -> None:
         setattr(wrapper, name, getattr(punica_cpu, name))
 
 
+# --- A dead engine-core process: vLLM's monitor thread marks the client dead and shuts it down, but nothing wakes
+# what waits on that client (LLM.generate on its outputs queue, collective_rpc on a utility future): both block
+# forever. A shutdown that finds the engine already dead (only the monitor's does) now wakes them with
+# EngineDeadError. Unchanged in vLLM 0.33.0 (SyncMPClient, the monitor and MPClient.shutdown are the same code).
+def _patch_engine_death_wakes_waiters() -> None:
+    from vllm.v1.engine.core_client import SyncMPClient
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    shutdown = SyncMPClient.shutdown
+
+    def shutdown_waking_waiters(self, timeout=None):
+        died = self.resources.engine_dead  # an intentional shutdown finds it False: the cleanup sets it later
+        shutdown(self, timeout)
+        if not died:
+            return
+        self.outputs_queue.put_nowait(EngineDeadError())
+        for future in list(self.utility_results.values()):
+            if not future.done():
+                with contextlib.suppress(Exception):  # resolved meanwhile
+                    future.set_exception(EngineDeadError())
+
+    SyncMPClient.shutdown = shutdown_waking_waiters
+
+
 PATCHES: tuple[Patch, ...] = (
     M3_IMPORTABLE,
     Patch("gemma_rmsnorm", ("0.32.0",), lambda: importlib.util.find_spec("flashinfer") is None, _patch_gemma_norm),
@@ -193,6 +218,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch("cpu_nvfp4_kv_cache", ("0.32.0",), _is_cpu, _patch_nvfp4_kv_cache),
     Patch("cpu_quantized_nvfp4_mxfp8", ("0.32.0",), _is_cpu, _patch_cpu_quantized),
     Patch("cpu_punica_grouped_lora", ("0.32.0",), _is_cpu, _patch_cpu_punica_ops),
+    Patch("engine_death_wakes_waiters", ("0.32.0", "0.33.0"), lambda: True, _patch_engine_death_wakes_waiters),
 )
 
 

@@ -37,11 +37,26 @@ def engine_core() -> psutil.Process:
     return found[0]
 
 
-def kill_as_it_starts(fn):
-    """fn() with the engine-core process SIGKILLed from another thread as soon as fn starts."""
+def kill_as_it_starts(fn, deadline_s: float = 180):
+    """fn() with the engine-core process SIGKILLed from another thread as soon as fn starts. fn runs in a thread:
+    a wait that is never woken (vLLM without the plugin's engine_death_wakes_waiters) fails the test, not hangs it."""
     pid = engine_core().pid
     threading.Thread(target=os.kill, args=(pid, signal.SIGKILL)).start()
-    return pid, fn()
+    result = {}
+
+    def call():
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # noqa: BLE001  (re-raised in the test's thread)
+            result["error"] = e
+
+    worker = threading.Thread(target=call, daemon=True)
+    worker.start()
+    worker.join(deadline_s)
+    assert not worker.is_alive(), f"still waiting {deadline_s} s after the engine core was killed"
+    if "error" in result:
+        raise result["error"]
+    return pid, result["value"]
 
 
 def test_dead_engine_core_is_rebuilt_once_then_fails_the_step_naming_it(mp_session):

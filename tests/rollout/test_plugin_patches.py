@@ -32,6 +32,9 @@ def test_patches_are_in_effect():
     x = torch.randn(3, 8)
     torch.testing.assert_close(norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
     assert "rollout" in method.select_unquantized_moe_backend.__module__
+    from vllm.v1.engine.core_client import SyncMPClient
+
+    assert SyncMPClient.shutdown.__module__ == "rollout.plugin.patches"  # engine_death_wakes_waiters
 
 
 def test_torchvision_stub_is_not_visible_to_transformers():
