@@ -202,7 +202,7 @@ def run(s: Session) -> dict:
     summary["eval_before"] = s.evaluate() if s.replica == 0 else {}
     s.log(f"eval before: {summary['eval_before']}")
     logger.log_eval(start, summary["eval_before"])
-    nan_streak, samples = 0, None
+    nan_streak, samples, evaluated = 0, None, None
     for step in range(start + 1, c.trainer.total_training_steps + 1):
         metrics = {**grpo_step(s, step), "engine/restarts": s.engine_restarts}
         samples = metrics.pop("samples", None) or samples
@@ -219,9 +219,12 @@ def run(s: Session) -> dict:
             raise RuntimeError(f"{nan_streak} non-finite steps in a row (step {step}); checkpoint saved")
         if step % c.trainer.save_freq == 0 or step == c.trainer.total_training_steps:
             s.save(step, {})
-    summary["eval_after"] = s.evaluate() if s.replica == 0 else {}
+    if evaluated is None:  # the last step was not evaluated already (test_freq does not divide it): same adapter
+        summary["eval_after"] = s.evaluate() if s.replica == 0 else {}
+        logger.log_eval(c.trainer.total_training_steps, summary["eval_after"], samples)  # and the final plots
+    else:
+        summary["eval_after"] = evaluated
     s.log(f"eval after: {summary['eval_after']}")
-    logger.log_eval(c.trainer.total_training_steps, summary["eval_after"], samples)  # and the final plots
     rows = logger.rows
     summary["steps"] = c.trainer.total_training_steps
     summary["nonfinite_steps"] = int(sum(r.get("train/skipped_nonfinite", 0) or 0 for r in rows))

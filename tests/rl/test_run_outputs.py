@@ -67,6 +67,9 @@ def test_offline_wandb_run_has_config_metrics_eval_curve_table_plots_and_adapter
     for row in w["history"]:
         by_step.setdefault(row["_step"], {}).update(row)
     assert sorted(by_step) == [0, 1, 2]  # eval before, then one row per step
+    evals = [json.loads(line) for line in (run_dir / "evals.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 1, 2]  # test_freq=1: the last step's eval is the final one, run once
+    assert {"step": 2, **json.loads((run_dir / "summary.json").read_text())["eval_after"]} == evals[-1]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for m in metrics:  # every scalar of metrics.jsonl went to W&B at its step
         logged = by_step[m["step"]]
