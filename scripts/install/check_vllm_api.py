@@ -268,12 +268,15 @@ def _class_overrides(scanners: list[_FileScanner], index: SourceIndex) -> list[U
                 classes[f"{module}.{node.name}"] = (sc, node)
                 classes.setdefault(node.name, (sc, node))
 
+    def our_class(sc, name: str) -> str:
+        """A base class name as written in `sc` -> its key in `classes` (module-qualified where imported)."""
+        head, _, attr = name.rpartition(".")
+        return f"{sc.our_modules[head]}.{attr}" if head in sc.our_modules else sc.our_modules.get(name, name)
+
     def our_chain(sc, node, seen) -> list[ast.ClassDef]:
         out = [node]
         for b in node.bases:
-            name = dotted(b) or ""
-            head, _, attr = name.rpartition(".")
-            key = f"{sc.our_modules[head]}.{attr}" if head in sc.our_modules else sc.our_modules.get(name, name)
+            key = our_class(sc, dotted(b) or "")
             if key in classes and key not in seen:
                 seen.add(key)
                 out += our_chain(*classes[key], seen)
@@ -287,8 +290,7 @@ def _class_overrides(scanners: list[_FileScanner], index: SourceIndex) -> list[U
             if vllm_path:
                 out.append(vllm_path)
             elif name:
-                head, _, attr = name.rpartition(".")
-                key = f"{sc.our_modules[head]}.{attr}" if head in sc.our_modules else sc.our_modules.get(name, name)
+                key = our_class(sc, name)
                 if key in classes and key not in seen:
                     seen.add(key)
                     out += vllm_bases(*classes[key], seen)
