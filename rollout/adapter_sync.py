@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from rollout.lora_layout import TPShard, expected_slots, installed_slots, mismatches
+from rollout.lora_layout import InstalledSlots, TPShard, expected_slots, installed_slots, mismatches
 
 # The LoRA ranks vLLM serves (its `MaxLoRARanks`; tests/rollout compares the two). Here, not in engine.py, so that
 # config validation can read it without importing vLLM.
@@ -185,7 +185,8 @@ class AdapterSyncExtension:
                 am.activate_adapter(lora_id)
             raise
         t_verify = time.perf_counter()
-        found = mismatches(expected, installed_slots(am, lora_id, rank))  # installed == held, bitwise
+        installed = self.__dict__.setdefault("_m3_installed", InstalledSlots())(am, lora_id, rank)
+        found = mismatches(expected, installed)  # installed == held, bitwise
         verify_s += time.perf_counter() - t_verify
         return {"received_checksum": received, "mismatches": found, "verify_ms": verify_s * 1e3,
                 "install_ms": (time.perf_counter() - t0) * 1e3, "tp_rank": self._m3_tp_shard().rank}

@@ -152,3 +152,28 @@ def test_sync_raises_when_an_installed_buffer_differs_from_the_sent_adapter(serv
         engine.llm.collective_rpc(restore)
     info = engine.load_adapter(tensors, cfg)  # the next clean sync installs and verifies
     assert info["verify_ms"] > 0 and info["workers"] == 1
+
+
+def test_sync_verify_follows_a_reallocated_lora_buffer(served):
+    """The worker reuses its views of the LoRA buffers across syncs; once a module holds a new buffer, the check
+    must read that one (a stale view would still hold the previous adapter's values and fail this sync)."""
+    engine, _, tensors, cfg, _ = served
+    target = "model.layers.1.self_attn.o_proj"
+    engine.load_adapter(tensors, cfg)  # the views are built
+
+    def reallocate(worker):
+        module = worker.model_runner.lora_manager._adapter_manager.modules[target]
+        old = module.lora_a_stacked
+        module.lora_a_stacked = tuple(t.clone() for t in old)
+        return old
+
+    def restore(worker, old):
+        worker.model_runner.lora_manager._adapter_manager.modules[target].lora_a_stacked = old
+
+    originals = engine.llm.collective_rpc(reallocate)
+    try:
+        info = engine.load_adapter({k: v * 2 for k, v in tensors.items()}, cfg)
+        assert info["workers"] == 1 and info["verify_ms"] > 0
+    finally:
+        engine.llm.collective_rpc(restore, args=(originals[0],))
+    engine.load_adapter(tensors, cfg)
