@@ -1,6 +1,7 @@
 """rollout.lora_layout's comparison on its own (the engine tests cover the mapping against a real worker): every
-kind of difference is named by its buffer slice, bitwise (a -0.0 for a 0.0 counts), and the expected slices are B
-scaled after rounding to the LoRA dtype, laid out in key order in one buffer."""
+kind of difference is named by its buffer slice, bitwise (a -0.0 for a 0.0 counts), on contiguous slices (memcmp)
+and on strided ones (an engine whose max LoRA rank exceeds the adapter's), and the expected slices are B scaled
+after rounding to the LoRA dtype."""
 
 import torch
 
@@ -17,13 +18,12 @@ def peft(seed=0):
     return {PEFT_A: torch.randn(4, 16, generator=g), PEFT_B: torch.randn(8, 4, generator=g)}
 
 
-def test_expected_slots_round_then_scale_and_share_one_buffer_in_key_order():
+def test_expected_slots_round_then_scale():
     t = peft()
     e = expected_slots(t, 4, 0.3, torch.bfloat16)
     assert sorted(e) == [A_KEY, B_KEY]
     assert torch.equal(e[A_KEY], t[PEFT_A].to(torch.bfloat16))
     assert torch.equal(e[B_KEY], t[PEFT_B].to(torch.bfloat16) * 0.3)  # vLLM's order: the dtype first, then scaled
-    assert torch.equal(e.flat, torch.cat([e[A_KEY].reshape(-1), e[B_KEY].reshape(-1)]))
 
 
 def test_every_kind_of_difference_is_named():
@@ -50,3 +50,13 @@ def test_every_kind_of_difference_is_named():
 
     reshaped = {**same, B_KEY: e[B_KEY].reshape(4, 8).clone()}
     assert mismatches(e, reshaped) == [f"{B_KEY}: shape (4, 8) in the engine, (8, 4) in the trainer"]
+
+
+def test_strided_slices_compare_bitwise_too():
+    e = expected_slots(peft(), 4, 2.0, torch.bfloat16)
+    wide = torch.zeros(8, 6, dtype=torch.bfloat16)  # a [out, max_rank] buffer holding a rank-4 B
+    wide[:, :4] = e[B_KEY]
+    installed = {A_KEY: e[A_KEY].clone(), B_KEY: wide[:, :4]}
+    assert not installed[B_KEY].is_contiguous() and mismatches(e, installed) == []
+    wide[5, 2] = -wide[5, 2] if wide[5, 2] != 0 else -0.0
+    assert mismatches(e, installed) == [f"{B_KEY}: 1 values differ (max |d| {float(2 * e[B_KEY][5, 2].abs()):.3g})"]
