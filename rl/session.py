@@ -15,11 +15,12 @@ from transformers import AutoTokenizer
 
 from rl import checkpointing
 from rl.config import validate
-from rl.data import DataCursor, encode_prompts, load_splits
+from rl.data import encode_prompts, load_splits
 from rl.eval import evaluate
 from rl.model import M3ForTraining, TrainerModelConfig
 from rl.model.fsdp import default_mesh, full_adapter_state_dict, init_distributed, shard_layer, shard_model
 from rl.model.lora import LoRAConfig, lora_parameters, peft_config
+from rl.prompts import DataCursor
 from rl.warmup import build_builtin_model
 from rollout.adapter_sync import adapter_checksum
 
