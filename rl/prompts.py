@@ -1,5 +1,14 @@
-"""The resumable data cursor: `DataCursor`, an (epoch, position) cursor over the kept rows, reshuffled per epoch
-from the seed."""
+"""Training prompts tokenized when the cursor draws them, not all up front: a 1M-row file holds no 1M token lists.
+
+`DataCursor`: a resumable (epoch, position) cursor over the kept rows, reshuffled per epoch from the seed.
+
+`TrainPrompts.draw(cursor, k)` takes indices from the `DataCursor` until it has `k` prompts that fit
+`data.max_prompt_length`; a row found too long is remembered (one bit a row), counted in `n_too_long`, logged, and
+skipped without tokenizing it again in later epochs. The cursor runs over all kept rows, so its (epoch, position)
+state alone still reproduces the draws after a resume: which rows are too long is a function of the file and the
+tokenizer. `first_fit()` is the up-front check: it tokenizes rows in file order until one fits (usually the first),
+so a max_prompt_length no prompt fits fails before any model or engine starts, with the error rl.session always gave.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +17,12 @@ import random
 from collections.abc import Mapping
 
 import numpy as np
+
+from rl.data import PromptTooLong, prompt_token_ids, row_id
+from rl.rows import Rows
+
+_SCAN_BATCH = 256  # rows read per gather while scanning for a prompt that fits
+_IDS_IN_LOG = 5
 
 
 class DataCursor:
@@ -70,3 +85,72 @@ class DataCursor:
         cursor = cls(int(state["n"]), int(state["seed"]), bool(state["shuffle"]))
         cursor.load_state_dict(state)
         return cursor
+
+
+class NoPromptFits(ValueError):
+    pass
+
+
+class TrainPrompts:
+    def __init__(self, rows: Rows, tokenizer, max_length: int | None, log=None):
+        self.rows, self.tokenizer, self.max_length, self.log = rows, tokenizer, max_length, log
+        self.too_long = np.zeros(len(rows), dtype=bool)
+        self.n_too_long = 0
+
+    def _no_fit(self) -> NoPromptFits:
+        return NoPromptFits(f"data.max_prompt_length={self.max_length}: no train prompt fits (all longer)")
+
+    def _tokens(self, i: int, row: dict, dropped: list[str]) -> list[int] | None:
+        """Row i's token ids; None when too long (marked and counted the first time, its id added to `dropped`)."""
+        try:
+            return prompt_token_ids(self.tokenizer, row["prompt"], self.max_length)
+        except PromptTooLong as e:
+            if not self.too_long[i]:
+                self.too_long[i] = True
+                self.n_too_long += 1
+                dropped.append(f"{row_id(row, i)} ({e})")
+            return None
+
+    def _log_dropped(self, dropped: list[str]) -> None:
+        if dropped and self.log is not None:
+            more = f" and {len(dropped) - _IDS_IN_LOG} more" if len(dropped) > _IDS_IN_LOG else ""
+            self.log(f"data.max_prompt_length={self.max_length}: dropped {'; '.join(dropped[:_IDS_IN_LOG])}{more} "
+                     f"({self.n_too_long} train prompts too long so far)")
+
+    def first_fit(self) -> int:
+        """The first row (file order) whose prompt fits; NoPromptFits when none does."""
+        dropped = []
+        try:
+            for start in range(0, len(self.rows), _SCAN_BATCH):
+                indices = range(start, min(start + _SCAN_BATCH, len(self.rows)))
+                for i, row in zip(indices, self.rows.take(indices)):  # one prompt at a time: usually just the first
+                    if not self.too_long[i] and self._tokens(i, row, dropped) is not None:
+                        return i
+            raise self._no_fit()
+        finally:
+            self._log_dropped(dropped)
+
+    def draw(self, cursor: DataCursor, k: int) -> tuple[list[int], list[list[int]]]:
+        """The next `k` row indices whose prompts fit, and their token ids, in cursor order."""
+        if cursor.n != len(self.rows):
+            raise ValueError(f"cursor over {cursor.n} rows, prompts over {len(self.rows)}")
+        idx, ids = [], []
+        while len(idx) < k:
+            if self.n_too_long == len(self.rows):  # every row seen and too long: no draw can succeed
+                raise self._no_fit()
+            drawn, dropped = [i for i in cursor.next_batch(k - len(idx)) if not self.too_long[i]], []
+            for i, row in zip(drawn, self.rows.take(drawn)):
+                tokens = self._tokens(i, row, dropped)
+                if tokens is not None:
+                    idx.append(i)
+                    ids.append(tokens)
+            self._log_dropped(dropped)
+        return idx, ids
+
+
+def prompt_lengths(rows, tokenizer) -> np.ndarray:
+    """Every row's prompt length in tokens (the dry run's statistics): one int32 a row, rows read in batches."""
+    out = np.empty(len(rows), dtype=np.int32)
+    for i, row in enumerate(rows):
+        out[i] = len(prompt_token_ids(tokenizer, row["prompt"]))
+    return out

@@ -1,9 +1,12 @@
-"""Rows as an Arrow-backed view (rl/rows.py): the view reads rows as the loaders define them; dedup and duplicate
-ids are counted from fixed-size hashes."""
+"""Rows as an Arrow-backed view (rl/rows.py) and training prompts tokenized when drawn (rl/prompts.py): the view
+reads rows as the loaders define them; dedup and duplicate ids are counted from fixed-size hashes; draws skip
+over-long prompts (counted, logged once) and a resumed cursor reproduces the uninterrupted draws; no prompt that fits
+is one clear error, before and at a draw."""
 
 import pytest
 
-from rl.data import load_dapo_math_17k, load_verl_parquet, write_rows
+from rl.data import load_dapo_math_17k, load_verl_parquet, prompt_token_ids, write_rows
+from rl.prompts import DataCursor, NoPromptFits, TrainPrompts, prompt_lengths
 from rl.rows import Rows
 
 
@@ -43,3 +46,61 @@ def test_duplicate_ids_and_dedup_counted_from_hashes(tmp_path):
     kept, report = load_dapo_math_17k(tmp_path / "ids.parquet", cache_dir=tmp_path / "cache")
     assert [r["extra_info"]["index"] for r in kept] == [0, 1, 1, 2, 2, 2] and report.n_duplicates == 1
     assert report.n_duplicate_ids == 3
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from m3.tiny import build_tokenizer_files
+
+    d = tmp_path_factory.mktemp("tok")
+    for name, data in build_tokenizer_files():
+        (d / name).write_bytes(data)
+    return AutoTokenizer.from_pretrained(d)
+
+
+def _mixed(n=10):
+    """Rows 1, 4, 7: prompts far longer than the others."""
+    return Rows.from_list([_row(i, "long " * 100 if i % 3 == 1 else None) for i in range(n)])
+
+
+def test_draws_skip_long_prompts_and_resume_exactly(tokenizer):
+    rows = _mixed()
+    limit = max(len(prompt_token_ids(tokenizer, rows[i]["prompt"])) for i in range(10) if i % 3 != 1)
+    logs = []
+    prompts, cursor = TrainPrompts(rows, tokenizer, limit, log=logs.append), DataCursor(10, seed=5)
+    straight = [prompts.draw(cursor, 4) for _ in range(5)]  # 20 of 7 usable rows: three epochs, batches across them
+    order = [i for e in range(4) for i in DataCursor(10, seed=5).epoch_order(e) if i % 3 != 1]
+    assert [i for idx, _ in straight for i in idx] == order[:20]
+    assert all(ids == [prompt_token_ids(tokenizer, rows[i]["prompt"]) for i in idx] for idx, ids in straight)
+    assert prompts.n_too_long == 3 and sorted(prompts.too_long.nonzero()[0]) == [1, 4, 7]
+    text = " ".join(logs)
+    assert all(text.count(f"index={i} ") == 1 for i in (1, 4, 7)), logs  # each logged once, not every epoch
+    assert prompt_lengths(rows, tokenizer).tolist() == [len(prompt_token_ids(tokenizer, r["prompt"])) for r in rows]
+
+    for stop in (1, 2, 4):  # a resumed run: fresh prompts (nothing known too long) and the cursor's saved state
+        first = TrainPrompts(rows, tokenizer, limit)
+        c = DataCursor(10, seed=5)
+        got = [first.draw(c, 4) for _ in range(stop)]
+        resumed, c = TrainPrompts(rows, tokenizer, limit), DataCursor.from_state(dict(c.state_dict()))
+        got += [resumed.draw(c, 4) for _ in range(5 - stop)]
+        assert got == straight, stop
+
+
+def test_no_prompt_that_fits_is_one_clear_error(tokenizer):
+    rows = _mixed()
+    short = len(prompt_token_ids(tokenizer, rows[0]["prompt"]))
+    with pytest.raises(NoPromptFits, match=r"data.max_prompt_length=3: no train prompt fits \(all longer\)"):
+        TrainPrompts(rows, tokenizer, 3).first_fit()
+    prompts = TrainPrompts(rows, tokenizer, 3)
+    with pytest.raises(NoPromptFits, match="no train prompt fits"):
+        prompts.draw(DataCursor(10, seed=0), 2)
+    assert prompts.n_too_long == 10
+    # the up-front check stops at the first prompt that fits: only the rows before it are tokenized
+    only_last = Rows.from_list([_row(i, "long " * 100) for i in range(5)] + [_row(0, index=5)])
+    check = TrainPrompts(only_last, tokenizer, short)
+    assert check.first_fit() == 5 and check.n_too_long == 5
+    assert TrainPrompts(rows, tokenizer, short).first_fit() == 0
+    with pytest.raises(ValueError, match="cursor over 9 rows, prompts over 10"):
+        TrainPrompts(rows, tokenizer, short).draw(DataCursor(9), 1)
