@@ -1,19 +1,72 @@
-"""Rows as an Arrow-backed view (rl/rows.py) and training prompts tokenized when drawn (rl/prompts.py): the view
-reads rows as the loaders define them; dedup and duplicate ids are counted from fixed-size hashes; draws skip
-over-long prompts (counted, logged once) and a resumed cursor reproduces the uninterrupted draws; no prompt that fits
-is one clear error, before and at a draw."""
+"""Rows as an Arrow-backed view (rl/rows.py) and training prompts tokenized when drawn (rl/prompts.py): a 50K-row
+file loads with Python memory bounded far below a dict per row; the view reads rows as the loaders define them;
+draws skip over-long prompts (counted, logged once) and a resumed cursor reproduces the uninterrupted draws; no
+prompt that fits is one clear error, before and at a draw."""
+
+import importlib.util
+import sys
+import tracemalloc
+from pathlib import Path
 
 import pytest
 
-from rl.data import load_dapo_math_17k, load_verl_parquet, prompt_token_ids, write_rows
+from rl.data import (
+    load_dapo_math_17k,
+    load_verl_parquet,
+    open_dataset,
+    prompt_token_ids,
+    write_rows,
+)
 from rl.prompts import DataCursor, NoPromptFits, TrainPrompts, prompt_lengths
 from rl.rows import Rows
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench():
+    path = ROOT / "scripts" / "bench_data_load.py"
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def _row(i: int, content: str | None = None, index: int | None = None) -> dict:
     return {"data_source": "math_dapo", "prompt": [{"role": "user", "content": content or f"Find {i} + 1."}],
             "ability": "MATH", "reward_model": {"style": "rule", "ground_truth": str(i + 1)},
             "extra_info": {"index": i if index is None else index}}
+
+
+def test_many_rows_load_without_a_dict_per_row(tmp_path):
+    # 50K rows: tracemalloc makes each allocation ~8x dearer, and the load's per-row validation allocates (~3 s here)
+    n = 50_000
+    path, cache = tmp_path / "big.parquet", tmp_path / "cache"
+    # every 1000th row repeats its predecessor's problem; every 7th has a zero-padded answer ("0" + answer)
+    _bench().write_synthetic(path, n, duplicate_every=1000, pad_every=7)
+    open_dataset(path, cache)  # datasets' Arrow copy is built before measuring: it is a file, not Python memory
+    tracemalloc.start()
+    try:
+        start = tracemalloc.get_traced_memory()[0]
+        rows, report = load_dapo_math_17k(path, cache_dir=cache)
+        retained, peak = (m - start for m in tracemalloc.get_traced_memory())
+        # The comparison: a dict per kept row, as the loader returned before, measured on 5,000 of these rows.
+        before_sample = tracemalloc.get_traced_memory()[0]
+        sample = list(rows[:5000])
+        per_row = (tracemalloc.get_traced_memory()[0] - before_sample) / len(sample)
+    finally:
+        tracemalloc.stop()
+    dicts = per_row * len(rows)
+    assert retained < dicts / 50 and peak < dicts / 5, (retained, peak, dicts)
+    assert retained < 16 * n + 2**18, retained  # measured: 8 bytes a kept row (its position) and a fixed cost
+    duplicates = (n - 1) // 1000
+    assert (report.n_read, report.n_kept, report.n_bad) == (n, n - duplicates, 0)
+    # normalised before dedup: row 7000 ("0" + row 6999's answer) is still row 6999's duplicate
+    assert report.n_duplicates == duplicates and report.n_gt_normalized == len(range(0, n, 7))
+    assert report.n_duplicate_ids == 0
+    assert rows[999]["extra_info"]["index"] == 999 and rows[1000]["extra_info"]["index"] == 1001
+    assert rows[0]["reward_model"]["ground_truth"] == "0" and rows[-1]["extra_info"]["index"] == n - 1
+    assert [r["reward_model"]["ground_truth"] for r in rows.take([7, 14, 6])] == ["7", "14", "6"]
 
 
 def test_rows_view_reads_what_was_written(tmp_path):
