@@ -39,6 +39,11 @@ from m3.tiny import ensure_tiny_model  # noqa: E402
 from rl.prompts import DataCursor, TrainPrompts  # noqa: E402
 
 
+def _const(text: str, n: int) -> pa.Array:
+    # a gather of one value: pa.array of a large numpy string array comes back chunked, which StructArray refuses
+    return pa.array([text], pa.string()).take(pa.array(np.zeros(n, dtype=np.int32)))
+
+
 def write_synthetic(path, n: int, duplicate_every: int = 0, pad_every: int = 0) -> None:
     """`n` DAPO-style verl rows (the DAPO prompt around a distinct problem), in a second or two for 1M rows.
     `duplicate_every`: row i repeats row i - 1's content when i % duplicate_every == 0 (its own index);
@@ -52,12 +57,12 @@ def write_synthetic(path, n: int, duplicate_every: int = 0, pad_every: int = 0) 
     answer = pa.array(k % 1000).cast(pa.string())
     if pad_every:
         answer = pc.if_else(pa.array(i % pad_every == 0), pc.binary_join_element_wise("0", answer, ""), answer)
-    message = pa.StructArray.from_arrays([pa.array(np.full(n, "user")), content], ["role", "content"])
+    message = pa.StructArray.from_arrays([_const("user", n), content], ["role", "content"])
     table = pa.table({
-        "data_source": pa.array(np.full(n, "math_dapo")),
+        "data_source": _const("math_dapo", n),
         "prompt": pa.ListArray.from_arrays(pa.array(np.arange(n + 1, dtype=np.int32)), message),
-        "ability": pa.array(np.full(n, "MATH")),
-        "reward_model": pa.StructArray.from_arrays([pa.array(np.full(n, "rule-lighteval/MATH_v2")), answer],
+        "ability": _const("MATH", n),
+        "reward_model": pa.StructArray.from_arrays([_const("rule-lighteval/MATH_v2", n), answer],
                                                    ["style", "ground_truth"]),
         "extra_info": pa.StructArray.from_arrays([pa.array(i)], ["index"]),
     })
@@ -99,7 +104,7 @@ def _old_data_module(commit: str):
     return module
 
 
-def child(side: str, path: str, cache: str, tokenizer_dir: str, commit: str, batch: int) -> dict:
+def child(side: str, path: str, cache: str, tokenizer_dir: str, commit: str, batch: int, load_only: bool) -> dict:
     import datasets  # noqa: F401  (imported before the baseline: both sides pay it)
     from transformers import AutoTokenizer
 
@@ -107,12 +112,15 @@ def child(side: str, path: str, cache: str, tokenizer_dir: str, commit: str, bat
     loader = _old_data_module(commit) if side == "before" else data
     base, base_anon = _rss_gb(), _rss_gb("RssAnon")
     _reset_peak()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     rows, report = loader.load_dapo_math_17k(path, cache_dir=cache)
-    t_load = time.perf_counter() - t0
-    out = {"rows_kept": len(rows), "load_s": round(t_load, 2), "baseline_rss_gb": round(base, 3),
+    t_load, c_load = time.perf_counter() - t0, time.process_time() - c0
+    out = {"rows_kept": len(rows), "load_s": round(t_load, 2), "load_cpu_s": round(c_load, 2),
+           "baseline_rss_gb": round(base, 3),
            "rss_after_load_gb": round(_rss_gb(), 3), "load_peak_rss_gb": round(_peak_since_reset_gb(), 3),
            "baseline_anon_gb": round(base_anon, 3), "anon_after_load_gb": round(_rss_gb("RssAnon"), 3)}
+    if load_only:
+        return out
     t1 = time.perf_counter()
     if side == "before":
         kept, ids, _ = loader.encode_prompts(rows, tok, 2048)
@@ -136,16 +144,21 @@ def main(argv=None) -> dict:
     p.add_argument("--work", type=Path, default=None, help="folder for the file and the cache (default: a temp dir)")
     p.add_argument("--before-commit", default="b488842", help="the commit whose rl/data.py is 'before'")
     p.add_argument("--batch", type=int, default=64, help="prompts in the first batch (the DAPO recipe's 64)")
+    p.add_argument("--load-repeats", type=int, default=2,
+                   help="more load-only runs per side, alternating sides: the machine may be shared, take the min")
     p.add_argument("--child", choices=("before", "after"), help=argparse.SUPPRESS)
+    p.add_argument("--load-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--file", help=argparse.SUPPRESS)
     p.add_argument("--cache", help=argparse.SUPPRESS)
     p.add_argument("--tokenizer", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child, args.file, args.cache, args.tokenizer, args.before_commit, args.batch)))
+        print(json.dumps(child(args.child, args.file, args.cache, args.tokenizer, args.before_commit, args.batch,
+                               args.load_only)))
         return {}
 
-    work = args.work or Path(tempfile.mkdtemp(prefix="bench_data_"))
+    scratch = None if args.work else tempfile.TemporaryDirectory(prefix="bench_data_")  # removed at exit
+    work = args.work or Path(scratch.name)
     work.mkdir(parents=True, exist_ok=True)
     path, cache = work / f"verl_{args.rows}.parquet", work / "cache"
     t0 = time.perf_counter()
@@ -158,18 +171,38 @@ def main(argv=None) -> dict:
     result = {"command": "python " + " ".join([str(Path(__file__).relative_to(ROOT)), *(argv or sys.argv[1:])]),
               "rows": args.rows, "file_mb": round(path.stat().st_size / 1e6, 1), "write_s": round(t_write, 2),
               "arrow_cache_build_s": round(t_cache, 2), "loader": "load_dapo_math_17k (dedup, int normalisation)",
-              "tokenizer": "tiny M3 (m3.tiny), max_prompt_length 2048", "first_batch": args.batch}
-    for side in ("before", "after"):
+              "tokenizer": "tiny M3 (m3.tiny), max_prompt_length 2048", "first_batch": args.batch,
+              "machine": {"cpus": os.cpu_count(), "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]},
+              "notes": ["VmRSS includes the memory-mapped Arrow file's pages read so far (file-backed, evictable); "
+                        "RssAnon (anon_*) is the process heap alone: Python objects, numpy, Arrow buffers",
+                        "first_batch_s: before = encode_prompts over every row (rl/session.py at start), then the "
+                        "cursor's first batch; after = TrainPrompts.first_fit + the first batch drawn and tokenized",
+                        "load_runs_s: the first full run then load-only runs alternating sides; the machine may be "
+                        "shared (loadavg), so ratios use each side's minimum"]}
+    def run_child(side: str, *extra: str) -> dict:
         cmd = [sys.executable, __file__, "--child", side, "--file", str(path), "--cache", str(cache),
-               "--tokenizer", tokenizer, "--before-commit", args.before_commit, "--batch", str(args.batch)]
+               "--tokenizer", tokenizer, "--before-commit", args.before_commit, "--batch", str(args.batch), *extra]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
         if proc.returncode:
             raise SystemExit(f"{side} side failed:\n{proc.stderr[-3000:]}")
-        result[side] = json.loads(proc.stdout.strip().splitlines()[-1])
-        print(side, result[side], file=sys.stderr, flush=True)
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(side, *extra, out, file=sys.stderr, flush=True)
+        return out
+
+    for side in ("before", "after"):
+        result[side] = run_child(side)
+        result[side]["load_runs_s"], result[side]["load_runs_cpu_s"] = [result[side]["load_s"]], [
+            result[side]["load_cpu_s"]]
+    for r in range(args.load_repeats):
+        for side in (("after", "before") if r % 2 == 0 else ("before", "after")):
+            again = run_child(side, "--load-only")
+            result[side]["load_runs_s"].append(again["load_s"])
+            result[side]["load_runs_cpu_s"].append(again["load_cpu_s"])
+    result["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     b, a = result["before"], result["after"]
     result["after_over_before"] = {
-        "load_s": round(a["load_s"] / b["load_s"], 3),
+        "load_s_min": round(min(a["load_runs_s"]) / min(b["load_runs_s"]), 3),
+        "load_cpu_s_min": round(min(a["load_runs_cpu_s"]) / min(b["load_runs_cpu_s"]), 3),
         "load_growth_rss": round((a["rss_after_load_gb"] - a["baseline_rss_gb"])
                                  / (b["rss_after_load_gb"] - b["baseline_rss_gb"]), 4),
         "load_growth_anon": round((a["anon_after_load_gb"] - a["baseline_anon_gb"])
