@@ -11,14 +11,14 @@ A row (verl ``examples/data_preprocess``, DAPO-Math-17K)::
 - ``load_verl_parquet`` reads any file in that schema; rows with missing or malformed fields are counted
   and skipped, or rejected with their row ids (``on_bad_row="skip"|"error"``). Files are read through Hugging Face
   ``datasets`` (parquet, json/jsonl, or a ``save_to_disk`` folder), memory-mapped Arrow in batches, offline, cached
-  under the run's ``trainer.cache_dir``/datasets.
+  under the run's ``trainer.cache_dir``/datasets. The kept rows come back as ``rl.rows.Rows``: the memory-mapped
+  table plus the kept positions (8 bytes a row); a row is a dict only while it is read, normalised then.
 - ``load_dapo_math_17k`` / ``load_aime_2024`` read those data sets from a path (nothing is fetched). AIME-2024
   comes in three layouts: verl schema (``BytedTsinghua-SIA/AIME-2024``, 30 problems x 32 copies = 960 rows),
   ``ID/Problem/Solution/Answer`` (``Maxwell-Jia/AIME_2024``, lm-eval's ``aime24``) and lower-case
   ``id/problem/solution/answer`` (``HuggingFaceH4/aime_2024``); the flat ones get DAPO's prompt.
 - ``make_addition_splits``: the built-in task, split by a hash of the question.
 - ``prompt_token_ids``: a chat prompt to token ids through the tokenizer's chat template.
-- ``DataCursor``: a resumable (epoch, position) cursor, reshuffled per epoch from the seed.
 """
 
 from __future__ import annotations
@@ -33,7 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Literal
 
+import numpy as np
+
 from rl.rewards import BUILTIN_ADDITION_SOURCE, route
+from rl.rows import Rows
 
 OnBadRow = Literal["skip", "error"]
 SCHEMA_FIELDS = ("data_source", "prompt", "ability", "reward_model", "extra_info")
@@ -155,10 +158,17 @@ def canonical_int(answer: str) -> str:
     return str(int(s)) if _INT.fullmatch(s) else answer
 
 
-def _dedup_key(row: Mapping) -> str:
+def _dedup_key(row: Mapping) -> bytes:
+    """16 bytes per row (collision odds ~1e-27 at 1M rows): a 1M-row file's dedup keeps 16 MB of numpy keys, not a
+    set of 1M Python strings."""
     payload = [row["data_source"], [[m["role"], m["content"]] for m in row["prompt"]],
                row["reward_model"]["ground_truth"]]
-    return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode()).hexdigest()
+    return hashlib.blake2b(json.dumps(payload, ensure_ascii=False).encode(), digest_size=16).digest()
+
+
+def _id_key(row_id_text: str) -> bytes:
+    # 8 bytes: it only feeds the n_duplicate_ids count (a collision, ~3e-8 at 1M rows, would add one)
+    return hashlib.blake2b(row_id_text.encode(), digest_size=8).digest()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -186,24 +196,77 @@ def open_dataset(path, cache_dir=None):
     return datasets.load_dataset(builder, data_files=str(p.resolve()), split="train", cache_dir=_cache_dir(cache_dir))
 
 
-def _columns(path, cache_dir=None) -> list[str]:
-    return list(open_dataset(path, cache_dir).column_names)
-
-
-def _iter_rows(path, cache_dir=None) -> Iterator[dict]:
-    # Batches from the memory-mapped Arrow table: the 1.79 M-row DAPO file never becomes a 1.79 M-dict list.
-    for batch in open_dataset(path, cache_dir).iter(batch_size=8192):
+def _records(ds) -> Iterator[dict]:
+    # Batches from the memory-mapped Arrow table: the 1.79 M-row DAPO file never becomes a 1.79 M-dict list. 1024 rows
+    # a batch: the load's peak is ~2 MB of dicts (8192: ~15 MB), at the same speed (measured on 200K rows).
+    for batch in ds.iter(batch_size=1024):
         names = list(batch)
         yield from (dict(zip(names, values)) for values in zip(*batch.values()))
 
 
-def _collect(path, layout: str, rows: Iterator[tuple[int, dict, list[str]]], *, on_bad_row: OnBadRow,
-             dedup: bool, normalize_int_answers: bool, expect_reward: str | None) -> tuple[list[dict], LoadReport]:
+AIME_FLAT_LAYOUTS = {
+    "aime_pascal": {"problem": "Problem", "answer": "Answer", "id": "ID"},  # Maxwell-Jia/AIME_2024
+    "aime_lower": {"problem": "problem", "answer": "answer", "id": "id"},  # HuggingFaceH4/aime_2024
+}
+
+
+def _answer_text(value) -> str | None:
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, float):  # pandas-written int columns with a null become float
+        return str(int(value)) if value.is_integer() else None
+    return str(value).strip() or None
+
+
+@dataclass(frozen=True)
+class RowReader:
+    """A stored record -> the verl-schema row callers see. The load pass validates what it returns; `Rows` calls it
+    again each time a kept row is read, so the normalised rows are never stored (the file is the storage)."""
+
+    layout: str  # "verl" or a key of AIME_FLAT_LAYOUTS
+    data_source: str = AIME_SOURCE  # flat layouts' rows get it
+    normalize_int_answers: bool = False
+
+    def read(self, record: dict, position: int) -> tuple[dict, list[str]]:
+        """(row before normalisation, problems only a flat layout can know about: the row's own are validate_row's)"""
+        if self.layout == "verl":
+            return record, []
+        spec = AIME_FLAT_LAYOUTS[self.layout]
+        problem, answer = record.get(spec["problem"]), _answer_text(record.get(spec["answer"]))
+        problems = []
+        if not _nonempty_str(problem):
+            problems.append(f"{spec['problem']} missing or empty")
+        if answer is None:
+            problems.append(f"{spec['answer']} missing or not a number/string")
+        row = {
+            "data_source": self.data_source,
+            "prompt": [{"role": "user", "content": DAPO_PROMPT.format(problem=(problem or "").strip())}],
+            "ability": "MATH",
+            "reward_model": {"style": "rule-lighteval/MATH_v2", "ground_truth": answer or ""},
+            "extra_info": {"index": position, "split": "test", "id": str(record.get(spec["id"], ""))},
+        }
+        return row, problems
+
+    def normalized(self, row: dict) -> dict:
+        gt = row["reward_model"]["ground_truth"]
+        if not self.normalize_int_answers or canonical_int(gt) == gt:
+            return row
+        return {**row, "reward_model": {**row["reward_model"], "ground_truth": canonical_int(gt)}}
+
+    def __call__(self, record: dict, position: int) -> dict:  # Rows' to_row: a kept (valid) row as read
+        return self.normalized(self.read(record, position)[0])
+
+
+def _collect(path, ds, reader: RowReader, *, on_bad_row: OnBadRow, dedup: bool,
+             expect_reward: str | None) -> tuple[Rows, LoadReport]:
     if on_bad_row not in ("skip", "error"):
         raise ValueError(f"on_bad_row must be 'skip' or 'error', got {on_bad_row!r}")
-    report, kept, seen, ids = LoadReport(str(path), layout), [], set(), set()
-    for position, row, problems in rows:
+    report, n = LoadReport(str(path), reader.layout), len(ds)
+    # Per kept row: its position (8 B), its dedup key (16 B) and a key of its id (8 B), in preallocated buffers.
+    kept, keys, ids, k = np.empty(n, np.int64), bytearray(16 * n if dedup else 0), bytearray(8 * n), 0
+    for position, record in enumerate(_records(ds)):
         report.n_read += 1
+        row, problems = reader.read(record, position)
         problems = problems or validate_row(row)
         if not problems and expect_reward and route(row["data_source"]) != expect_reward:
             problems = [f"data_source {row['data_source']!r} routes to reward {route(row['data_source'])!r}, "
@@ -211,55 +274,47 @@ def _collect(path, layout: str, rows: Iterator[tuple[int, dict, list[str]]], *, 
         if problems:
             report.bad.append(BadRow(position, row_id(row, position), problems))
             continue
-        if normalize_int_answers:
-            gt = row["reward_model"]["ground_truth"]
-            if canonical_int(gt) != gt:
-                row = {**row, "reward_model": {**row["reward_model"], "ground_truth": canonical_int(gt)}}
-                report.n_gt_normalized += 1
+        normalized = reader.normalized(row)
+        report.n_gt_normalized += normalized is not row
         if dedup:
-            key = _dedup_key(row)
-            if key in seen:
-                report.n_duplicates += 1
-                continue
-            seen.add(key)
-        report.n_duplicate_ids += row_id(row, position) in ids
-        ids.add(row_id(row, position))
-        kept.append(row)
+            keys[16 * k:16 * (k + 1)] = _dedup_key(normalized)
+        ids[8 * k:8 * (k + 1)] = _id_key(row_id(row, position))
+        kept[k], k = position, k + 1
+    kept, ids = kept[:k], np.frombuffer(ids, np.uint64, count=k)
+    if dedup:  # the first copy of each key, in file order (np.unique's return_index is the first occurrence)
+        _, first = np.unique(np.frombuffer(keys, np.uint64, count=2 * k).reshape(k, 2), axis=0, return_index=True)
+        first.sort()
+        report.n_duplicates = k - len(first)
+        kept, ids = kept[first], ids[first]
+    report.n_duplicate_ids = len(kept) - len(np.unique(ids))  # kept rows whose id an earlier kept row has
     report.n_kept = len(kept)
     if report.bad and on_bad_row == "error":
         raise BadRowError(path, report.bad)
-    return kept, report
+    return Rows(ds, kept, reader), report
 
 
 def load_verl_parquet(path, *, on_bad_row: OnBadRow = "skip", dedup: bool = False,
                       normalize_int_answers: bool = False, expect_reward: str | None = None,
-                      cache_dir=None) -> tuple[list[dict], LoadReport]:
+                      cache_dir=None) -> tuple[Rows, LoadReport]:
     """Rows of a verl-schema parquet file plus a report of what was dropped and why.
 
     ``expect_reward``: rows whose data_source routes to another reward are bad rows (e.g. a GSM8K file
     passed where DAPO was meant would otherwise be scored by a different function without notice)."""
-    columns = _columns(path, cache_dir)
-    missing = [c for c in SCHEMA_FIELDS if c not in columns]
+    ds = open_dataset(path, cache_dir)
+    missing = [c for c in SCHEMA_FIELDS if c not in ds.column_names]
     if missing:
-        raise SchemaError(f"{path}: columns {missing} missing (has {columns}); expected verl's schema")
-    rows = ((i, row, []) for i, row in enumerate(_iter_rows(path, cache_dir)))
-    return _collect(path, "verl", rows, on_bad_row=on_bad_row, dedup=dedup,
-                    normalize_int_answers=normalize_int_answers, expect_reward=expect_reward)
+        raise SchemaError(f"{path}: columns {missing} missing (has {list(ds.column_names)}); expected verl's schema")
+    return _collect(path, ds, RowReader("verl", normalize_int_answers=normalize_int_answers), on_bad_row=on_bad_row,
+                    dedup=dedup, expect_reward=expect_reward)
 
 
 def load_dapo_math_17k(path, *, on_bad_row: OnBadRow = "skip", dedup: bool = True,
-                       cache_dir=None) -> tuple[list[dict], LoadReport]:
+                       cache_dir=None) -> tuple[Rows, LoadReport]:
     """DAPO-Math-17K (verl schema, data_source ``math_dapo``). The Hub file repeats each of ~17.4 k problems
     ~100x (1.79 M rows); ``dedup`` keeps the first copy, so an epoch of the cursor sees each problem once
     and a GRPO batch never holds two groups of the same prompt."""
     return load_verl_parquet(path, on_bad_row=on_bad_row, dedup=dedup, normalize_int_answers=True,
                              expect_reward="math_dapo", cache_dir=cache_dir)
-
-
-AIME_FLAT_LAYOUTS = {
-    "aime_pascal": {"problem": "Problem", "answer": "Answer", "id": "ID"},  # Maxwell-Jia/AIME_2024
-    "aime_lower": {"problem": "problem", "answer": "answer", "id": "id"},  # HuggingFaceH4/aime_2024
-}
 
 
 def detect_aime_layout(columns) -> str:
@@ -273,57 +328,28 @@ def detect_aime_layout(columns) -> str:
                       f"ID/Problem/Answer or id/problem/answer")
 
 
-def _answer_text(value) -> str | None:
-    if value is None or isinstance(value, bool):
-        return None
-    if isinstance(value, float):  # pandas-written int columns with a null become float
-        return str(int(value)) if value.is_integer() else None
-    return str(value).strip() or None
-
-
-def _aime_flat_rows(path, spec: dict, data_source: str, cache_dir=None) -> Iterator[tuple[int, dict, list[str]]]:
-    for i, flat in enumerate(_iter_rows(path, cache_dir)):
-        problem, answer = flat.get(spec["problem"]), _answer_text(flat.get(spec["answer"]))
-        problems = []
-        if not _nonempty_str(problem):
-            problems.append(f"{spec['problem']} missing or empty")
-        if answer is None:
-            problems.append(f"{spec['answer']} missing or not a number/string")
-        row = {
-            "data_source": data_source,
-            "prompt": [{"role": "user", "content": DAPO_PROMPT.format(problem=(problem or "").strip())}],
-            "ability": "MATH",
-            "reward_model": {"style": "rule-lighteval/MATH_v2", "ground_truth": answer or ""},
-            "extra_info": {"index": i, "split": "test", "id": str(flat.get(spec["id"], ""))},
-        }
-        yield i, row, problems
-
-
 def load_aime_2024(path, *, on_bad_row: OnBadRow = "skip", dedup: bool = False,
-                   data_source: str = AIME_SOURCE, cache_dir=None) -> tuple[list[dict], LoadReport]:
+                   data_source: str = AIME_SOURCE, cache_dir=None) -> tuple[Rows, LoadReport]:
     """AIME-2024 in any of the three layouts, as verl-schema rows scored by math_dapo.
 
     ``dedup`` is off by default: the verl-schema file's 32 copies per problem are how DAPO measures avg@32
     with one sample per row. Flat layouts get ``data_source`` (default ``aime-2024``); verl-schema rows
     keep theirs, which must route to math_dapo."""
+    ds = open_dataset(path, cache_dir)
     try:
-        layout = detect_aime_layout(_columns(path, cache_dir))
+        layout = detect_aime_layout(ds.column_names)
     except SchemaError as e:
         raise SchemaError(f"{path}: {e}") from None  # the file, as the other loaders' errors name it
-    if layout == "verl":
-        rows = ((i, row, []) for i, row in enumerate(_iter_rows(path, cache_dir)))
-    else:
-        rows = _aime_flat_rows(path, AIME_FLAT_LAYOUTS[layout], data_source, cache_dir)
-    return _collect(path, layout, rows, on_bad_row=on_bad_row, dedup=dedup, normalize_int_answers=True,
-                    expect_reward="math_dapo")
+    return _collect(path, ds, RowReader(layout, data_source, normalize_int_answers=True), on_bad_row=on_bad_row,
+                    dedup=dedup, expect_reward="math_dapo")
 
 
-def write_rows(rows: list[dict], path) -> None:
+def write_rows(rows, path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows), path)
+    pq.write_table(pa.Table.from_pylist(list(rows)), path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -372,12 +398,12 @@ def make_addition_splits(n_train: int | None = None, n_eval: int | None = 500, s
     return train, evals
 
 
-def load_splits(data_cfg, cache_dir=None) -> tuple[list[dict], list[dict], dict]:
+def load_splits(data_cfg, cache_dir=None) -> tuple[Rows, Rows, dict]:
     """(train rows, eval rows, counts of bad rows) for a run's `data` config: the built-in addition task, or the
     parquet files of `data.kind` (DAPO-Math-17K trains against AIME-2024)."""
     if data_cfg.train_files == "builtin":
         train, evals = make_addition_splits(seed=data_cfg.seed, n_eval=data_cfg.val_size)
-        return train, evals, {}
+        return Rows.from_list(train), Rows.from_list(evals), {}
     for key in ("train_files", "val_files"):
         if not Path(data_cfg[key]).is_file():
             raise FileNotFoundError(f"data.{key}: no file at {data_cfg[key]}")
@@ -412,9 +438,11 @@ def prompt_token_ids(tokenizer, messages, max_length: int | None = None, **templ
     return ids
 
 
-def encode_prompts(rows: list[dict], tokenizer, max_length: int | None = None,
-                   on_overlong: OnBadRow = "skip") -> tuple[list[dict], list[list[int]], list[str]]:
-    """(kept rows, their token ids, ids of rows dropped as too long). Rows must already be validated."""
+def encode_prompts(rows, tokenizer, max_length: int | None = None,
+                   on_overlong: OnBadRow = "skip") -> tuple[list[dict] | Rows, list[list[int]], list[str]]:
+    """(kept rows, their token ids, ids of rows dropped as too long) of a set small enough to hold its token ids (an
+    eval split: data.val_size rows); training prompts are tokenized per batch (rl.prompts). Rows must already be
+    validated; kept rows are a view when `rows` is one."""
     kept, ids, dropped = [], [], []
     for position, row in enumerate(rows):
         try:
@@ -424,70 +452,6 @@ def encode_prompts(rows: list[dict], tokenizer, max_length: int | None = None,
                 raise PromptTooLong(f"{row_id(row, position)}: {e}") from None
             dropped.append(row_id(row, position))
             continue
-        kept.append(row)
+        kept.append(position if isinstance(rows, Rows) else row)
         ids.append(tokens)
-    return kept, ids, dropped
-
-
-# ----------------------------------------------------------------------------------------------
-# resumable cursor
-
-class DataCursor:
-    """Yields row indices epoch after epoch. Each epoch is a permutation derived from (seed, epoch) alone,
-    so saving (epoch, position) is enough to resume mid-epoch on another machine or process."""
-
-    VERSION = 1
-
-    def __init__(self, n: int, seed: int = 0, shuffle: bool = True):
-        if n <= 0:
-            raise ValueError(f"DataCursor needs n > 0, got {n}")
-        self.n, self.seed, self.shuffle = n, seed, shuffle
-        self.epoch, self.position = 0, 0
-        self._order: list[int] | None = None
-        self._order_epoch = -1
-
-    def epoch_order(self, epoch: int) -> list[int]:
-        order = list(range(self.n))
-        if self.shuffle:
-            # random.Random(int).shuffle is stable across Python versions; numpy Generator streams are not
-            # promised to be.
-            seed = int.from_bytes(hashlib.sha256(f"{self.seed}:{epoch}".encode()).digest()[:8], "little")
-            random.Random(seed).shuffle(order)
-        return order
-
-    def _current(self) -> list[int]:
-        if self._order_epoch != self.epoch:
-            self._order, self._order_epoch = self.epoch_order(self.epoch), self.epoch
-        return self._order
-
-    def next_batch(self, k: int) -> list[int]:
-        """The next ``k`` indices; a batch may run into the next epoch, so no row is ever skipped."""
-        out: list[int] = []
-        while len(out) < k:
-            take = min(k - len(out), self.n - self.position)
-            out.extend(self._current()[self.position:self.position + take])
-            self.position += take
-            if self.position == self.n:
-                self.epoch, self.position = self.epoch + 1, 0
-        return out
-
-    def state_dict(self) -> dict:
-        return {"version": self.VERSION, "n": self.n, "seed": self.seed, "shuffle": self.shuffle,
-                "epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: Mapping) -> None:
-        for key in ("version", "n", "seed", "shuffle"):
-            mine = self.VERSION if key == "version" else getattr(self, key)
-            if state.get(key) != mine:
-                raise ValueError(f"cursor state {key}={state.get(key)!r} does not match this cursor's {mine!r}: "
-                                 f"resuming would replay a different order")
-        epoch, position = int(state["epoch"]), int(state["position"])
-        if epoch < 0 or not 0 <= position < self.n:
-            raise ValueError(f"cursor state epoch={epoch}, position={position} out of range for n={self.n}")
-        self.epoch, self.position = epoch, position
-
-    @classmethod
-    def from_state(cls, state: Mapping) -> DataCursor:
-        cursor = cls(int(state["n"]), int(state["seed"]), bool(state["shuffle"]))
-        cursor.load_state_dict(state)
-        return cursor
+    return (rows.select(kept) if isinstance(rows, Rows) else kept), ids, dropped

@@ -27,6 +27,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,7 +207,7 @@ def verl_validation_metrics(details: list[dict], k: int, seed: int = 42) -> dict
     return {f"{var}/{name}": float(value) for var, metrics in var2metric.items() for name, value in metrics.items()}
 
 
-def evaluate(engine_or_client, rows: list[dict], k: int = 4, *, temperature: float = 1.0, max_tokens: int = 256,
+def evaluate(engine_or_client, rows: Sequence[dict], k: int = 4, *, temperature: float = 1.0, max_tokens: int = 256,
              top_p: float = 1.0, seed: int | None = None, score_fn: ScoreFn = compute_score,
              return_details: bool = True) -> dict:
     """Sample k answers for every verl-schema row, score them, return the metrics (and, by default, `details`:

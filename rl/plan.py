@@ -15,12 +15,14 @@ Problems are collected and reported together (each naming its key or tensor); an
 import json
 from pathlib import Path
 
+import numpy as np
 from omegaconf import OmegaConf
 
 from m3.weights import weight_specs
 from quant.checkpoint import QuantizedCheckpoint, read_headers
 from rl.config import validate, world_size
-from rl.data import encode_prompts, load_splits
+from rl.data import load_splits
+from rl.prompts import prompt_lengths
 from rl.sizing import Setup, Shape, load_m3_config, setup_from_config, size
 
 NVFP4_LAYOUTS = {  # companion tensors of a packed E2M1 weight, by checkpoint layout
@@ -106,12 +108,16 @@ def check_data(cfg, tokenizer_path: Path) -> dict:
 
     train, evals, bad = load_splits(cfg.data)
     tok = AutoTokenizer.from_pretrained(tokenizer_path)
-    kept, ids, dropped = encode_prompts(train, tok, cfg.data.max_prompt_length)
-    _, _, eval_dropped = encode_prompts(evals, tok, cfg.data.max_prompt_length)
-    lengths = sorted(len(x) for x in ids) or [0]
-    return {"train_rows": len(train), "val_rows": len(evals), **bad, "train_dropped_overlong": len(dropped),
-            "val_dropped_overlong": len(eval_dropped), "prompt_tokens_median": lengths[len(lengths) // 2],
-            "prompt_tokens_max": lengths[-1], "steps_per_epoch": len(kept) // cfg.data.train_batch_size}
+    limit = cfg.data.max_prompt_length
+    # every prompt's length (4 bytes a row, rows read in batches): the run itself tokenizes them as drawn
+    train_lengths, eval_lengths = prompt_lengths(train, tok), prompt_lengths(evals, tok)
+    fit = np.sort(train_lengths[train_lengths <= limit])
+    lengths = fit if len(fit) else np.zeros(1, np.int32)
+    return {"train_rows": len(train), "val_rows": len(evals), **bad,
+            "train_dropped_overlong": int((train_lengths > limit).sum()),
+            "val_dropped_overlong": int((eval_lengths > limit).sum()),
+            "prompt_tokens_median": int(lengths[len(lengths) // 2]), "prompt_tokens_max": int(lengths[-1]),
+            "steps_per_epoch": len(fit) // cfg.data.train_batch_size}
 
 
 def plan(cfg) -> dict:

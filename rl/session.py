@@ -15,11 +15,12 @@ from transformers import AutoTokenizer
 
 from rl import checkpointing
 from rl.config import validate
-from rl.data import DataCursor, encode_prompts, load_splits
+from rl.data import encode_prompts, load_splits
 from rl.eval import evaluate
 from rl.model import M3ForTraining, TrainerModelConfig
 from rl.model.fsdp import default_mesh, full_adapter_state_dict, init_distributed, shard_layer, shard_model
 from rl.model.lora import LoRAConfig, lora_parameters, peft_config
+from rl.prompts import DataCursor, TrainPrompts
 from rl.warmup import build_builtin_model
 from rollout.adapter_sync import adapter_checksum
 
@@ -52,12 +53,14 @@ class Session:
         torch.set_num_threads(int(os.environ.get("M3RL_TORCH_THREADS", "1")))
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         max_prompt = cfg.data.max_prompt_length
-        self.train_rows, self.train_prompts, dropped = encode_prompts(self.train_rows, self.tokenizer, max_prompt)
+        # Training prompts are tokenized as the cursor draws them (rl.prompts); first_fit fails a max_prompt_length
+        # no prompt fits here, before any model or engine. The eval split (data.val_size rows) is tokenized whole.
+        self.train_prompts = TrainPrompts(self.train_rows, self.tokenizer, max_prompt, log=self.log)
+        self.train_prompts.first_fit()
         self.eval_rows, self.eval_prompts, _ = encode_prompts(self.eval_rows, self.tokenizer, max_prompt)
-        self.data_stats["dropped_overlong"] = len(dropped)
-        if not self.train_rows or not self.eval_rows:
-            raise ValueError(f"data.max_prompt_length={max_prompt}: no {'train' if not self.train_rows else 'eval'} "
-                             "prompt fits (all longer)")
+        self.data_stats["dropped_overlong"] = self.train_prompts.n_too_long  # so far; generate() keeps it current
+        if not self.eval_rows:
+            raise ValueError(f"data.max_prompt_length={max_prompt}: no eval prompt fits (all longer)")
         self.eos = [self.tokenizer.convert_tokens_to_ids("<|im_end|>"), self.tokenizer.eos_token_id]
         self.lora_cfg = LoRAConfig(**OmegaConf.to_container(cfg.model.lora))
         self.model = self._trainer_model()

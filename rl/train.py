@@ -57,9 +57,11 @@ def generate(s: Session, step: int) -> tuple[list[int], list]:
     (every rank of a tensor-parallel engine makes the same call and gets the same rollouts); its ranks then train
     on disjoint parts of it, so the ranks' parts cover the batch once."""
     c = s.cfg
-    idx = s.cursor.next_batch(c.data.train_batch_size)[s.replica::s.replicas]
+    idx, prompts = s.train_prompts.draw(s.cursor, c.data.train_batch_size)  # every rank draws the same batch
+    s.data_stats["dropped_overlong"] = s.train_prompts.n_too_long  # train prompts found too long so far
+    idx, prompts = idx[s.replica::s.replicas], prompts[s.replica::s.replicas]
     groups = s.engine_call("generate", lambda engine: engine.generate(
-        [s.train_prompts[i] for i in idx], n=c.rollout.n, temperature=c.rollout.temperature, top_p=c.rollout.top_p,
+        prompts, n=c.rollout.n, temperature=c.rollout.temperature, top_p=c.rollout.top_p,
         max_tokens=c.data.max_response_length, stop_token_ids=s.eos, seed=c.trainer.seed * 100003 + step))
     s.check_engine_group_agrees(hashlib.sha256(repr([[r.token_ids for r in g] for g in groups]).encode()).hexdigest(),
                                 "rollouts")

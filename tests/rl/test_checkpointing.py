@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rl import checkpointing
-from rl.data import DataCursor
+from rl.prompts import DataCursor
 from rl.model.lora import LoRAConfig, LoRALinear, adapter_state_dict, lora_parameters
 
 CFG = LoRAConfig(rank=4, alpha=8.0, target_modules=["q_proj"], target_experts=False)

@@ -13,7 +13,6 @@ import pytest
 
 from rl.data import (
     BadRowError,
-    DataCursor,
     PromptTooLong,
     SchemaError,
     addition_row,
@@ -29,6 +28,7 @@ from rl.data import (
     validate_row,
     write_rows,
 )
+from rl.prompts import DataCursor
 from rl.rewards import compute_score, route
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,7 +51,7 @@ def test_make_data_cli(tmp_path):
     train, report = load_verl_parquet(tmp_path / "train.parquet", on_bad_row="error")
     evals, _ = load_verl_parquet(tmp_path / "eval.parquet", on_bad_row="error")
     assert (len(train), len(evals), report.n_bad) == (200, 50, 0)
-    for row in train + evals:
+    for row in [*train, *evals]:
         (msg,) = row["prompt"]
         a, b = map(int, re.fullmatch(r"What is (\d\d) \+ (\d\d)\? Put the final answer in \\boxed\{\}\.",
                                      msg["content"]).groups())

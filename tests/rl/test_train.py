@@ -140,6 +140,15 @@ def test_missing_files_are_named(tmp_path, model_dir):
         Session(compose_cfg(fast_overrides(tmp_path, "/no/such/model")))
 
 
+def test_no_train_prompt_that_fits_fails_before_the_model(tmp_path, model_dir):
+    from rl.prompts import NoPromptFits
+    from rl.session import Session
+
+    # prompts are tokenized as drawn; the session's up-front check still fails here, not at step 1
+    with pytest.raises(NoPromptFits, match=r"data.max_prompt_length=4: no train prompt fits \(all longer\)"):
+        Session(compose_cfg(fast_overrides(tmp_path, model_dir) + ["data.max_prompt_length=4"]))
+
+
 def test_bad_rows_are_counted_or_rejected_with_the_row_id(tmp_path, model_dir):
     from rl.data import BadRowError, load_splits, make_addition_splits, write_rows
 
