@@ -33,11 +33,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from rl.model import msa  # noqa: E402
 
 # Config fields changed from rl.model.msa_block_outer.DEFAULT: SWEEP_FWD timed forward only, SWEEP_BWD forward+backward.
-SWEEP_FWD = [dict(), dict(fwd_stages=3), dict(fwd_stages=1), dict(fwd_rows=32), dict(fwd_rows=128),
-             dict(fwd_warps=8), dict(order="size"), dict(row_tile=128), dict(item_tokens=256)]
-SWEEP_BWD = [dict(), dict(bwd_stages=3), dict(bwd_rows=128), dict(bwd_rows=128, bwd_stages=3), dict(bwd_rows=32),
-             dict(order="size"), dict(item_tokens=256), dict(item_tokens=1024), dict(dq="atomic"),
-             dict(dense_prefix_min=1024)]
+# Earlier lists (tile rows, warps, stages, orders, item sizes, atomic dQ): results/gpu/run12c; these after the
+# host-side plan of run 14 (64-key backward programs: fewer register spills, two dQ partials per block).
+SWEEP_FWD = [dict(), dict(fwd_stages=4), dict(item_tokens=1024), dict(order="size")]
+SWEEP_BWD = [dict(), dict(bwd_stages=1), dict(bwd_keys=64, bwd_warps=4), dict(bwd_keys=64, bwd_warps=4, bwd_stages=3),
+             dict(bwd_keys=64, bwd_warps=8), dict(item_tokens=1024), dict(order="size")]
 
 
 def parse_args():
@@ -66,16 +66,19 @@ def parse_args():
 
 
 def timed(fn, warmup, repeats, device):
-    """Median/min/max milliseconds of fn() over `repeats` runs after `warmup` (CUDA events; wall clock on CPU)."""
+    """Median/min/max milliseconds of fn() over `repeats` runs after `warmup` (CUDA events; wall clock on CPU);
+    on CUDA also host_ms, the median time until fn() returns (its launches, and any sync inside it)."""
     for _ in range(warmup):
         fn()
-    times = []
+    times, host = [], []
     for _ in range(repeats):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize()
             start.record()
+            t0 = time.perf_counter()
             fn()
+            host.append((time.perf_counter() - t0) * 1e3)
             end.record()
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end))
@@ -83,7 +86,8 @@ def timed(fn, warmup, repeats, device):
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times)}
+    out = {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times)}
+    return {**out, "host_ms": statistics.median(host)} if host else out
 
 
 def peak_memory(fn, device):
@@ -222,12 +226,14 @@ def profile(total, args, device, dtype, gen):
 
 
 def table(report):
-    lines = ["tokens seqs | select plan | msa fwd  fwd+bwd (TFLOP/s fwd, f+b) | sdpa fwd  fwd+bwd (TFLOP/s) | ratio"
+    lines = ["tokens seqs | select plan | msa fwd  fwd+bwd (TFLOP/s fwd, f+b) host fwd f+b | sdpa fwd  fwd+bwd "
+             "(TFLOP/s) | ratio"
              + "".join(f" | {c} f+b" for c in report["config"]["compare"].split(",") if c)]
     for r in report["results"]:
         line = (f"{r['tokens']:6d} {r['sequences']:4d} | {r['select']['median_ms']:6.2f} "
                 f"{r.get('plan', {}).get('median_ms', float('nan')):5.2f} | {r['msa_fwd']['median_ms']:7.2f} "
-                f"{r['msa_fwd_bwd']['median_ms']:8.2f} ({r['msa_fwd_tflops']:4.0f}, {r['msa_fwd_bwd_tflops']:4.0f})")
+                f"{r['msa_fwd_bwd']['median_ms']:8.2f} ({r['msa_fwd_tflops']:4.0f}, {r['msa_fwd_bwd_tflops']:4.0f}) "
+                f"{r['msa_fwd'].get('host_ms', float('nan')):5.2f} {r['msa_fwd_bwd'].get('host_ms', float('nan')):5.2f}")
         if "sdpa_fwd" in r:
             line += (f" | {r['sdpa_fwd']['median_ms']:7.2f} {r['sdpa_fwd_bwd']['median_ms']:8.2f} "
                      f"({r['sdpa_fwd_bwd_tflops']:4.0f}) | {r['msa_over_sdpa_fwd_bwd']:.2f}")
@@ -236,7 +242,8 @@ def table(report):
                 line += f" | {r[f'{c}_fwd_bwd']['median_ms']:8.2f}"
         lines.append(line)
     for s in report.get("sweep", []):
-        lines.append(" ".join(f"{k}={v}" for k, v in s.items() if k not in ("min_ms", "max_ms")))
+        lines.append(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in s.items()
+                              if k not in ("min_ms", "max_ms")))
     for p in report.get("profile", []):
         lines.append(f"profile {p['tokens']}: kernels {p['kernels_ms_total']:.2f} ms per fwd+bwd")
         lines += [f"  {r['ms']:7.3f} ms {r['calls']:5.1f}x {r['kernel']}" for r in p["kernels"][:12]]

@@ -67,72 +67,119 @@ DEFAULT = Config()
 
 @dataclass
 class Plan:
-    """Index tables for one (block_ids, cu_seqlens); built on the ids' device."""
+    """Index tables for one (block_ids, cu_seqlens); built on the ids' device without a host sync.
+
+    The number of work items is only known on the device, so the item tables have a host-computable upper bound of
+    rows (`n_max`); rows past the real items are empty (lo == hi) and launched last: their programs do no work."""
 
     entries: torch.Tensor  # [NE] int32 flat (token*Hkv + head)*topk + slot, grouped by (head, block), tokens ascending
-    item_key: torch.Tensor  # [NI] int32 head*NKB + global block of each item (items in key order)
-    item_lo: torch.Tensor  # [NI] int32 range of the item in `entries`
+    item_key: torch.Tensor  # [n_max] int32 head*NKB + global block of each item (items in key order; 0 when empty)
+    item_lo: torch.Tensor  # [n_max] int32 range of the item in `entries` (lo == hi: an empty row)
     item_hi: torch.Tensor
-    order: torch.Tensor  # [NI] int32 launch order (Config.order)
+    order: torch.Tensor  # [n_max] int64 launch order (Config.order), empty rows last
     key_item0: torch.Tensor  # [Hkv*NKB + 1] int32 first item of each key
     kstart: torch.Tensor  # [NKB] int32 packed index of each global block's first key
     kend: torch.Tensor  # [NKB] int32 end of that block's sequence (keys past it belong to the next one)
     slot_gid: torch.Tensor  # [T, Hkv, topk] int32 global block per slot; -1 empty or dense-prefix token
-    dense_row: torch.Tensor  # [T] int32 row in the dense-prefix output, -1 for tokens the kernels handle
+    dense_row: torch.Tensor | None  # [T] int32 row in the dense-prefix output, -1 for kernel tokens; None: no prefix
     dense_idx: torch.Tensor  # [Tp] int64 tokens of the dense prefixes, in order
     prefixes: list  # [(start, length)] SDPA calls, offsets into the packed tokens
     nkb: int
+    n_max: int  # rows of the item tables: Hkv*NKB + ceil(NE / item_tokens) >= the number of items
+
+
+_EMPTY_KEY = 2 ** 31 - 1  # launch-order key of the empty item rows: after every real one
+
+
+def _host_tables(bounds, topk: int, config: Config):
+    """Per-sequence and per-block tables from the (host) sequence bounds, in plain Python: [start, base, plen] per
+    sequence, [kstart], [kend] per global block, the dense prefixes and the block count."""
+    seq, kstart, kend, prefixes, nkb = [], [], [], [], 0
+    for s, e in bounds:
+        nblk = (e - s + BLOCK - 1) // BLOCK
+        # Dense prefixes: positions < topk*128 select every visible block, i.e. causal attention over the prefix.
+        plen = min(e - s, topk * BLOCK)
+        plen = plen if config.dense_prefix_min > 0 and plen >= config.dense_prefix_min else 0
+        seq.append((s, nkb, plen))
+        kstart += range(s, s + BLOCK * nblk, BLOCK)
+        kend += [e] * nblk
+        if plen:
+            prefixes.append((s, plen))
+        nkb += nblk
+    return seq, kstart, kend, prefixes, nkb
 
 
 def build_plan(block_ids: torch.Tensor, cu_seqlens, config: Config = DEFAULT) -> Plan:
-    """The inverted lists. Per-sequence and per-block tables are made on the host and copied once; the per-entry
-    work is one stable sort on the device; one sync reads the number of work items (the grid size). Few launches:
-    at 4K tokens this runs about as long as the kernels (results/gpu/run12: 1.9 ms before this layout)."""
+    """The inverted lists, with no device->host sync (the plan is built inside every attention call; a sync there
+    drains the launch queue of the whole layer): host tables in Python, copied in one transfer; then, with Triton,
+    two kernels around one stable sort of the entries and one sort of the items (`_plan_keys`, `_plan_items`), and
+    without Triton (CPU) the same tables from torch ops (`_plan_torch`)."""
     device = block_ids.device
     t_count, hkv, topk = block_ids.shape
     bounds = seq_bounds(cu_seqlens)
-    nseq = len(bounds)
-    lens = torch.tensor([e - s for s, e in bounds])
-    nblk = (lens + BLOCK - 1) // BLOCK
-    nkb = int(nblk.sum())
-    cu = F.pad(torch.cumsum(lens, 0), (1, 0))
-    base = torch.cumsum(nblk, 0) - nblk  # first global block of each sequence
-    seq_of_kb = torch.repeat_interleave(torch.arange(nseq), nblk)
-    kstart = cu[seq_of_kb] + BLOCK * (torch.arange(nkb) - base[seq_of_kb])
-    # Dense prefixes: positions < topk*128 select every visible block, i.e. causal attention over the prefix.
-    plen = torch.clamp(lens, max=topk * BLOCK)
-    plen = torch.where((plen >= config.dense_prefix_min) & (config.dense_prefix_min > 0), plen, 0)
-    prefixes = [(s, int(p)) for (s, _), p in zip(bounds, plen) if p]
-    host = torch.cat([cu[:-1], lens, base, plen, kstart, cu[seq_of_kb + 1]]).to(device)
-    cu_d, lens_d, base_d, plen_d, kstart_d, kend_d = host.split([nseq, nseq, nseq, nseq, nkb, nkb])
+    seq, kstart, kend, prefixes, nkb = _host_tables(bounds, topk, config)
+    nseq, ne = len(seq), t_count * hkv * topk
+    n_max = hkv * nkb + -(-ne // config.item_tokens)  # each key adds < 1 item to its share of ceil(NE / item_tokens)
+    host = torch.tensor([x for row in seq for x in row] + kstart + kend, dtype=torch.int32).to(device)
+    seq_d, kstart_d, kend_d = host.split([3 * nseq, nkb, nkb])
+    if triton is not None:
+        gid, entries, item_key, lo, hi, order, key_item0 = _plan_triton(block_ids, seq_d, nseq, nkb, n_max, config)
+    else:
+        gid, entries, item_key, lo, hi, order, key_item0 = _plan_torch(block_ids, seq_d, nseq, nkb, n_max, config)
+    dense_row, dense_idx = None, torch.empty(0, dtype=torch.int64, device=device)
+    if prefixes:
+        dense_idx = torch.cat([torch.arange(s, s + p) for s, p in prefixes]).to(device)
+        dense_row = torch.full((t_count,), -1, dtype=torch.int32, device=device)
+        dense_row[dense_idx] = torch.arange(len(dense_idx), dtype=torch.int32, device=device)
+    return Plan(entries, item_key, lo, hi, order, key_item0, kstart_d, kend_d, gid, dense_row, dense_idx, prefixes,
+                nkb, n_max)
 
-    seq = torch.repeat_interleave(torch.arange(nseq, device=device), lens_d, output_size=t_count)
-    pos = torch.arange(t_count, device=device) - cu_d[seq]
-    dense = pos < plen_d[seq]
-    ids = block_ids.to(torch.int32)
-    gid = torch.where((ids >= 0) & ~dense[:, None, None], ids + base_d[seq].to(torch.int32)[:, None, None], -1)
+
+def _plan_torch(block_ids, seq_d, nseq, nkb, n_max, config):
+    """`build_plan`'s device tables from torch ops (no Triton: CPU); the same tables as `_plan_triton`."""
+    device = block_ids.device
+    t_count, hkv, topk = block_ids.shape
+    start, base, plen = seq_d.view(nseq, 3).long().unbind(1)
+    tok = torch.arange(t_count, device=device)
+    sq = (tok[:, None] >= start[None, 1:]).sum(1)  # the last sequence starting at or before the token
+    dense = tok - start[sq] < plen[sq]
+    ids = block_ids.long()
+    gid = torch.where((ids >= 0) & ~dense[:, None, None], ids + base[sq][:, None, None], -1)
     big = hkv * nkb  # sorts after every real key
-    head_base = (torch.arange(hkv, device=device, dtype=torch.int32) * nkb)[None, :, None]
+    head_base = (torch.arange(hkv, device=device) * nkb)[None, :, None]
     key, entries = torch.sort(torch.where(gid >= 0, head_base + gid, big).reshape(-1), stable=True)  # by token
-    bounds_k = torch.searchsorted(key, torch.arange(big + 1, device=device, dtype=torch.int32))
-    counts = bounds_k[1:] - bounds_k[:-1]
-    per_key = (counts + config.item_tokens - 1) // config.item_tokens
+    bounds_k = torch.searchsorted(key, torch.arange(big + 1, device=device))
+    per_key = (bounds_k[1:] - bounds_k[:-1] + config.item_tokens - 1) // config.item_tokens
     key_item0 = F.pad(torch.cumsum(per_key, 0), (1, 0))
-    n_items = int(key_item0[-1])  # the one sync
-    item_key = torch.repeat_interleave(torch.arange(big, device=device), per_key, output_size=n_items)
+    item_key = torch.repeat_interleave(torch.arange(big, device=device), per_key)
+    n_items = item_key.numel()
     lo = bounds_k[item_key] + (torch.arange(n_items, device=device) - key_item0[item_key]) * config.item_tokens
     hi = torch.minimum(lo + config.item_tokens, bounds_k[item_key + 1])
-    if config.order == "token":
-        order = torch.sort(entries[lo] // (hkv * topk), stable=True).indices
-    else:
-        order = torch.sort(hi - lo, descending=True, stable=True).indices
-    dense_row = torch.full((t_count,), -1, dtype=torch.int32, device=device)
-    dense_idx = torch.cat([torch.arange(s, s + p) for s, p in prefixes]).to(device) if prefixes else seq[:0]
-    if prefixes:
-        dense_row[dense_idx] = torch.arange(len(dense_idx), dtype=torch.int32, device=device)
-    i32 = lambda x: x.to(torch.int32).contiguous()  # noqa: E731
-    return Plan(i32(entries), i32(item_key), i32(lo), i32(hi), i32(order), i32(key_item0), i32(kstart_d),
-                i32(kend_d), gid.contiguous(), dense_row, dense_idx, prefixes, nkb)
+    okey = entries[lo] // (hkv * topk) if config.order == "token" else lo - hi  # largest first: stable on -size
+    pad = lambda x, fill: F.pad(x, (0, n_max - n_items), value=fill).to(torch.int32)  # noqa: E731
+    order = torch.sort(pad(okey, _EMPTY_KEY), stable=True).indices
+    return (gid.to(torch.int32).contiguous(), entries.to(torch.int32), pad(item_key, 0), pad(lo, 0), pad(hi, 0), order,
+            key_item0.to(torch.int32))
+
+
+def _plan_triton(block_ids, seq_d, nseq, nkb, n_max, config):
+    """`build_plan`'s device tables: `_plan_keys` (slot -> global block and sort key), a stable sort of the keys,
+    `_plan_items` (one program: per-key bounds by binary search, item rows, launch-order keys), a sort of those."""
+    device = block_ids.device
+    t_count, hkv, topk = block_ids.shape
+    ne = t_count * hkv * topk
+    gid = torch.empty(t_count, hkv, topk, dtype=torch.int32, device=device)
+    key = torch.empty(ne, dtype=torch.int32, device=device)
+    if ne:
+        _plan_keys[(triton.cdiv(ne, 1024),)](block_ids, seq_d, gid, key, ne, nseq, nkb, *block_ids.stride(),
+                                             HKV=hkv, TOPK=topk, BE=1024)
+    key, entries = torch.sort(key, stable=True)  # by token inside a key
+    entries = entries.to(torch.int32)  # int64 entries cost the backward kernel registers (spills)
+    tabs = torch.empty(4 * n_max + hkv * nkb + 1, dtype=torch.int32, device=device)
+    item_key, lo, hi, okey, key_item0 = tabs.split([n_max] * 4 + [hkv * nkb + 1])
+    _plan_items[(1,)](key, entries, key_item0, item_key, lo, hi, okey, ne, max(ne, 1).bit_length(), hkv * nkb, n_max,
+                      config.item_tokens, HKVTOPK=hkv * topk, SIZE_ORDER=config.order == "size", CH=1024)
+    return gid, entries, item_key, lo, hi, torch.sort(okey, stable=True).indices, key_item0
 
 
 try:  # module-level jit functions: Triton's interpreter resolves callees from module globals
@@ -142,6 +189,75 @@ except ImportError:  # CPU installs: only the reference paths
     triton = None
 
 if triton is not None:
+    @triton.jit
+    def _plan_keys(ids_ptr, seq_ptr, gid_ptr, key_ptr, NE, NSEQ, NKB, s0, s1, s2, HKV: tl.constexpr,
+                   TOPK: tl.constexpr, BE: tl.constexpr):
+        # BE slots (token, head, slot) in flat order: global block (-1: empty or dense-prefix token) and sort key
+        # head*NKB + block (HKV*NKB, after every real key, for the -1 slots).
+        e = tl.program_id(0) * BE + tl.arange(0, BE)
+        ok = e < NE
+        t = e // (HKV * TOPK)
+        h = (e // TOPK) % HKV
+        ids = tl.load(ids_ptr + t.to(tl.int64) * s0 + h * s1 + (e % TOPK) * s2, mask=ok, other=-1).to(tl.int32)
+        sq = tl.zeros([BE], tl.int32)
+        for s in range(1, NSEQ):  # the last sequence starting at or before the token (empty ones start there too)
+            sq += (t >= tl.load(seq_ptr + 3 * s)).to(tl.int32)
+        start = tl.load(seq_ptr + 3 * sq, mask=ok, other=0)
+        base = tl.load(seq_ptr + 3 * sq + 1, mask=ok, other=0)
+        plen = tl.load(seq_ptr + 3 * sq + 2, mask=ok, other=0)
+        gid = tl.where((ids >= 0) & (t - start >= plen), ids + base, -1)
+        tl.store(gid_ptr + e, gid, mask=ok)
+        tl.store(key_ptr + e, tl.where(gid >= 0, h * NKB + gid, HKV * NKB), mask=ok)
+
+    @triton.jit
+    def _lower_bound(sorted_ptr, n, x, steps):
+        # First index i in [0, n] with sorted[i] >= x, per lane (binary search; steps >= bit length of n).
+        lo = tl.zeros_like(x)
+        hi = tl.zeros_like(x) + n
+        for _ in range(steps):
+            active = lo < hi
+            mid = (lo + hi) // 2
+            below = tl.load(sorted_ptr + mid, mask=active, other=0) < x
+            lo = tl.where(active & below, mid + 1, lo)
+            hi = tl.where(active & ~below, mid, hi)
+        return lo
+
+    @triton.jit
+    def _plan_items(key_ptr, ent_ptr, key_item0_ptr, item_key_ptr, lo_ptr, hi_ptr, okey_ptr, NE, STEPS, NK, NMAX,
+                    ITEM, HKVTOPK: tl.constexpr, SIZE_ORDER: tl.constexpr, CH: tl.constexpr):
+        # One program: keys CH at a time, in order; each key's entries [lo_k, hi_k) become ceil(n / ITEM) items.
+        # Every address is written once (rows past the last item get the empty row), so no ordering is needed.
+        carry = 0
+        for c in range(0, NK, CH):
+            k = c + tl.arange(0, CH)
+            kok = k < NK
+            lo_k = _lower_bound(key_ptr, NE, k, STEPS)
+            hi_k = _lower_bound(key_ptr, NE, k + 1, STEPS)
+            n = tl.where(kok, (hi_k - lo_k + ITEM - 1) // ITEM, 0)
+            first = carry + tl.cumsum(n, 0) - n
+            tl.store(key_item0_ptr + k, first, mask=kok)
+            for j in range(tl.max(n, 0)):
+                m = j < n
+                lo = lo_k + j * ITEM
+                hi = tl.minimum(lo + ITEM, hi_k)
+                if SIZE_ORDER:
+                    okey = lo - hi  # largest first
+                else:
+                    okey = (tl.load(ent_ptr + lo, mask=m, other=0) // HKVTOPK).to(tl.int32)  # first token
+                tl.store(item_key_ptr + first + j, k, mask=m)
+                tl.store(lo_ptr + first + j, lo, mask=m)
+                tl.store(hi_ptr + first + j, hi, mask=m)
+                tl.store(okey_ptr + first + j, okey, mask=m)
+            carry += tl.sum(n, 0)
+        tl.store(key_item0_ptr + NK, carry)
+        for c in range(carry, NMAX, CH):
+            i = c + tl.arange(0, CH)
+            m = i < NMAX
+            tl.store(item_key_ptr + i, 0, mask=m)
+            tl.store(lo_ptr + i, 0, mask=m)
+            tl.store(hi_ptr + i, 0, mask=m)
+            tl.store(okey_ptr + i, 2147483647, mask=m)
+
     @triton.jit
     def _tile(ent_ptr, base, hi, h, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, TOPK: tl.constexpr,
               TM: tl.constexpr, BM: tl.constexpr):
@@ -159,14 +275,18 @@ if triton is not None:
     def _item(item_ptr, key_ptr, lo_ptr, hi_ptr, kstart_ptr, k_ptr, v_ptr, T, NKB, key0,
               HKV: tl.constexpr, D: tl.constexpr, BN: tl.constexpr):
         # The launched item, its KV head, and the K/V rows [BN, D] it owns (BN keys from key0 inside the block).
-        it = tl.load(item_ptr + tl.program_id(0))
+        # An empty row of the item tables (lo == hi, past the real items) loads nothing and loops zero times.
+        it = tl.load(item_ptr + tl.program_id(0)).to(tl.int32)  # int64 sort indices
         key = tl.load(key_ptr + it)
+        lo = tl.load(lo_ptr + it)
+        hi = tl.load(hi_ptr + it)
         h = key // NKB
         kidx = tl.load(kstart_ptr + key - h * NKB) + key0 + tl.arange(0, BN)
         rows = (kidx[:, None] * HKV + h) * D + tl.arange(0, D)[None, :]
-        kt = tl.load(k_ptr + rows, mask=(kidx < T)[:, None], other=0.0)
-        vt = tl.load(v_ptr + rows, mask=(kidx < T)[:, None], other=0.0)
-        return it, h, tl.load(lo_ptr + it), tl.load(hi_ptr + it), kidx, kt, vt
+        kmask = (kidx < T)[:, None]
+        kt = tl.load(k_ptr + rows, mask=kmask, other=0.0)
+        vt = tl.load(v_ptr + rows, mask=kmask, other=0.0)
+        return it, h, lo, hi, kidx, kt, vt
 
     @triton.jit
     def _fwd(q_ptr, k_ptr, v_ptr, opart_ptr, lpart_ptr, ent_ptr, order_ptr, key_ptr, lo_ptr, hi_ptr, kstart_ptr,
@@ -199,7 +319,8 @@ if triton is not None:
 
     @triton.jit
     def _merge(opart_ptr, lpart_ptr, gid_ptr, dense_row_ptr, dense_ptr, o_ptr, lse_ptr, NROWS, HQ: tl.constexpr,
-               HKV: tl.constexpr, G: tl.constexpr, TOPK: tl.constexpr, D: tl.constexpr, R: tl.constexpr):
+               HKV: tl.constexpr, G: tl.constexpr, TOPK: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+               HAS_DENSE: tl.constexpr):
         # O and LSE (log2 units) of R rows from their slots' partials; dense-prefix rows copy the SDPA output.
         row, ok, t, hk, g = _rows(NROWS, HQ, HKV, G, R)
         d = tl.arange(0, D)
@@ -221,11 +342,12 @@ if triton is not None:
             m = m_new
         has = l > 0
         out = acc / tl.where(has, l, 1.0)[:, None]
-        drow = tl.load(dense_row_ptr + t, mask=ok, other=-1)
-        dense = drow >= 0  # such rows have no slots (l == 0)
-        x = tl.load(dense_ptr + (drow.to(tl.int64) * HQ + row % HQ)[:, None] * D + d[None, :], mask=dense[:, None],
-                    other=0.0)
-        out = tl.where(dense[:, None], x.to(tl.float32), out)
+        if HAS_DENSE:
+            drow = tl.load(dense_row_ptr + t, mask=ok, other=-1)
+            dense = drow >= 0  # such rows have no slots (l == 0)
+            x = tl.load(dense_ptr + (drow.to(tl.int64) * HQ + row % HQ)[:, None] * D + d[None, :],
+                        mask=dense[:, None], other=0.0)
+            out = tl.where(dense[:, None], x.to(tl.float32), out)
         tl.store(o_ptr + row.to(tl.int64)[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty), mask=ok[:, None])
         tl.store(lse_ptr + row, tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("inf")), mask=ok)
 
@@ -338,16 +460,18 @@ class _BlockOuter(torch.autograd.Function):
         lse = torch.empty(t_count, hq, dtype=torch.float32, device=q.device)
         qk_scale = scale * math.log2(math.e)
         tm = _tokens(config.fwd_rows, g)
-        if plan.order.numel():
-            _fwd[(plan.order.numel(),)](
+        if plan.n_max:
+            _fwd[(plan.n_max,)](
                 q, k, v, opart, lpart, plan.entries, plan.order, plan.item_key, plan.item_lo, plan.item_hi,
                 plan.kstart, t_count, plan.nkb, qk_scale, HQ=hq, HKV=hkv, G=g, TOPK=topk, TM=tm, BM=_p2(tm * g), D=dim,
                 PREC=prec, num_warps=config.fwd_warps, num_stages=config.fwd_stages)
-        dense = dense_out.contiguous() if dense_out is not None else o
+        has_dense = dense_out is not None
+        dense = dense_out.contiguous() if has_dense else o
+        dense_row = plan.dense_row if has_dense else plan.slot_gid  # not read without a dense prefix
         rows, r = t_count * hq, config.row_tile
         if t_count:
-            _merge[(triton.cdiv(rows, r),)](opart, lpart, plan.slot_gid, plan.dense_row, dense, o, lse, rows, HQ=hq,
-                                            HKV=hkv, G=g, TOPK=topk, D=dim, R=r)
+            _merge[(triton.cdiv(rows, r),)](opart, lpart, plan.slot_gid, dense_row, dense, o, lse, rows, HQ=hq,
+                                            HKV=hkv, G=g, TOPK=topk, D=dim, R=r, HAS_DENSE=has_dense)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.plan, ctx.scale, ctx.config, ctx.has_dense = plan, scale, config, dense_out is not None
         return o
@@ -361,7 +485,7 @@ class _BlockOuter(torch.autograd.Function):
         hkv, topk = k.shape[1], plan.slot_gid.shape[2]
         g = hq // hkv
         prec = "ieee" if q.dtype == torch.float32 else "tf32"
-        ne, ni = t_count * hkv * topk, plan.item_key.numel()
+        ne, ni = t_count * hkv * topk, plan.n_max
         bn = config.bwd_keys
         nh = BLOCK // bn
         delta = torch.empty(t_count, hq, dtype=torch.float32, device=q.device)
