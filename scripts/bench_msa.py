@@ -233,7 +233,7 @@ def table(report):
         line = (f"{r['tokens']:6d} {r['sequences']:4d} | {r['select']['median_ms']:6.2f} "
                 f"{r.get('plan', {}).get('median_ms', float('nan')):5.2f} | {r['msa_fwd']['median_ms']:7.2f} "
                 f"{r['msa_fwd_bwd']['median_ms']:8.2f} ({r['msa_fwd_tflops']:4.0f}, {r['msa_fwd_bwd_tflops']:4.0f}) "
-                f"{r['msa_fwd'].get('host_ms', float('nan')):5.2f} {r['msa_fwd_bwd'].get('host_ms', float('nan')):5.2f}")
+                + " ".join(f"{r[k].get('host_ms', float('nan')):5.2f}" for k in ("msa_fwd", "msa_fwd_bwd")))
         if "sdpa_fwd" in r:
             line += (f" | {r['sdpa_fwd']['median_ms']:7.2f} {r['sdpa_fwd_bwd']['median_ms']:8.2f} "
                      f"({r['sdpa_fwd_bwd_tflops']:4.0f}) | {r['msa_over_sdpa_fwd_bwd']:.2f}")
