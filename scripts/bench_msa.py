@@ -13,7 +13,9 @@ Each case reports the median (and min/max) over --repeats timed runs after --war
   earlier key), 4*D per (query head, key) forward and 3.5x that forward+backward (2 + 5 matmuls), over the time;
 - --sweep LENGTHS: block-outer tile/launch variants (rl.model.msa_block_outer.Config) timed fwd (forward fields) or
   fwd+bwd (backward fields) at those lengths, single sequence;
-- --profile LENGTHS: GPU time per kernel of one fwd+bwd (torch.profiler), single sequence.
+- --profile LENGTHS: GPU time per kernel of one fwd+bwd (torch.profiler), single sequence;
+- --back-to-back N: also msa and sdpa fwd+bwd timed as N calls in a row between the events, per call (*_b2b): the
+  host work of one call then overlaps the GPU work of the previous one, as in a model's layers (no sync inside).
 Index q/k are built so neighbouring queries mostly agree (a per-64-token topic plus noise), like real text.
 Prints one JSON document, "command" first, and a table last; --out also writes the JSON.
 """
@@ -33,11 +35,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from rl.model import msa  # noqa: E402
 
 # Config fields changed from rl.model.msa_block_outer.DEFAULT: SWEEP_FWD timed forward only, SWEEP_BWD forward+backward.
-# Earlier lists (tile rows, warps, stages, orders, item sizes, atomic dQ): results/gpu/run12c; these after the
-# host-side plan of run 14 (64-key backward programs: fewer register spills, two dQ partials per block).
-SWEEP_FWD = [dict(), dict(fwd_stages=4), dict(item_tokens=1024), dict(order="size")]
-SWEEP_BWD = [dict(), dict(bwd_stages=1), dict(bwd_keys=64, bwd_warps=4), dict(bwd_keys=64, bwd_warps=4, bwd_stages=3),
-             dict(bwd_keys=64, bwd_warps=8), dict(item_tokens=1024), dict(order="size")]
+# Earlier lists (tile rows, warps, stages, orders, item sizes, atomic dQ): results/gpu/run12c; 64-key backward
+# programs (fewer register spills, two dQ partials per block), 1 backward stage, 4 forward stages: run14 (all slower).
+SWEEP_FWD = [dict(), dict(item_tokens=256), dict(dense_prefix_min=1024)]
+SWEEP_BWD = [dict(), dict(item_tokens=256), dict(order="size"), dict(dense_prefix_min=1024)]
 
 
 def parse_args():
@@ -58,6 +59,7 @@ def parse_args():
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--no-sdpa", action="store_true", help="skip the dense baseline")
     p.add_argument("--sweep", default="", help="lengths at which to time block-outer variants, comma separated")
+    p.add_argument("--back-to-back", type=int, default=0, help="also time N fwd+bwd calls in a row (0: off)")
     p.add_argument("--profile", default="", help="lengths at which to list fwd+bwd kernel times (torch.profiler)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--seed", type=int, default=0)
@@ -172,6 +174,17 @@ def bench_case(total, packed, args, device, dtype, gen):
                                     args.repeats, device)
         row["sdpa_fwd_bwd_tflops"] = 3.5 * dense_tf / row["sdpa_fwd_bwd"]["median_ms"] * 1e3
         row["msa_over_sdpa_fwd_bwd"] = row["msa_fwd_bwd"]["median_ms"] / row["sdpa_fwd_bwd"]["median_ms"]
+    n = args.back_to_back
+    if n > 0:
+        fns = {"msa": run_msa(args.impl, True)}
+        if not args.no_sdpa:
+            fns["sdpa"] = lambda: torch.autograd.grad(sdpa(), (q, k, v), grad_out)
+        for name, fn in fns.items():
+            t = timed(lambda: [fn() for _ in range(n)], 1, args.repeats, device)
+            row[f"{name}_fwd_bwd_b2b"] = {k: x / n for k, x in t.items()}
+        if "sdpa" in fns:
+            row["msa_over_sdpa_fwd_bwd_b2b"] = (row["msa_fwd_bwd_b2b"]["median_ms"]
+                                                / row["sdpa_fwd_bwd_b2b"]["median_ms"])
     return row
 
 
@@ -237,6 +250,10 @@ def table(report):
         if "sdpa_fwd" in r:
             line += (f" | {r['sdpa_fwd']['median_ms']:7.2f} {r['sdpa_fwd_bwd']['median_ms']:8.2f} "
                      f"({r['sdpa_fwd_bwd_tflops']:4.0f}) | {r['msa_over_sdpa_fwd_bwd']:.2f}")
+        if "msa_fwd_bwd_b2b" in r:
+            line += f" | b2b {r['msa_fwd_bwd_b2b']['median_ms']:7.2f}"
+            if "sdpa_fwd_bwd_b2b" in r:
+                line += f" {r['sdpa_fwd_bwd_b2b']['median_ms']:7.2f} {r['msa_over_sdpa_fwd_bwd_b2b']:.2f}"
         for c in (c for c in report["config"]["compare"].split(",") if c):
             if f"{c}_fwd_bwd" in r:
                 line += f" | {r[f'{c}_fwd_bwd']['median_ms']:8.2f}"
