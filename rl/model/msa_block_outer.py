@@ -21,10 +21,14 @@ Operands bf16, accumulation fp32, P and dS rounded to the operand type before th
 rl.model.msa_triton do); partials stored in `part_dtype`. Work items run largest first (LPT) for balance, or by token.
 On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1; tests only).
 
-Measured on one H200 (results/gpu/run12d, issue18_targets.json; 64 q / 4 KV heads, d 128, top-16, bf16): fwd 11.5 ms,
-fwd+bwd 29.5 ms at 32K tokens (per-token kernels 98 ms, dense causal SDPA 115 ms), 57 ms at 64K (SDPA 452 ms); slower
-than SDPA below ~9K tokens. At 32K the block kernels take 21.6 ms (about half their ceilings), the merge and dQ sum
-4.4 ms (at bandwidth: the cost of the partials), the host-side plan ~2 ms.
+The plan (`build_plan`) never waits for the device: the grid is a host-computed bound on the number of items, the
+tail of the item tables is empty rows, launched last, whose programs do no work.
+
+Measured on one H200 (results/gpu/run14, run14b, issue18_targets.json; 64 q / 4 KV heads, d 128, top-16, bf16): fwd
+9.8-10.3 ms, fwd+bwd 27.8-28.2 ms at 32K tokens (per-token kernels 99 ms, dense causal SDPA 113 ms), 55.4-55.6 ms at
+64K (SDPA 447-450 ms); faster than SDPA from 8K tokens (single sequence). At 32K the block kernels take 21.7 ms
+(about half their ceilings; the backward spills 224 B of registers per thread), the merge and dQ sum 4.5 ms (at
+bandwidth: the cost of the partials), the plan ~0.2 ms of GPU time and ~0.4 ms of host time.
 """
 
 from __future__ import annotations
@@ -275,7 +279,9 @@ if triton is not None:
     def _item(item_ptr, key_ptr, lo_ptr, hi_ptr, kstart_ptr, k_ptr, v_ptr, T, NKB, key0,
               HKV: tl.constexpr, D: tl.constexpr, BN: tl.constexpr):
         # The launched item, its KV head, and the K/V rows [BN, D] it owns (BN keys from key0 inside the block).
-        # An empty row of the item tables (lo == hi, past the real items) loads nothing and loops zero times.
+        # An empty row of the item tables (lo == hi, past the real items) loops zero times; its K/V loads and (backward)
+        # zero dK/dV stores go unmasked, to scratch nothing reads: masking them cost the backward kernel register
+        # spills (224 -> 464 B per thread, Triton 3.6, sm_90).
         it = tl.load(item_ptr + tl.program_id(0)).to(tl.int32)  # int64 sort indices
         key = tl.load(key_ptr + it)
         lo = tl.load(lo_ptr + it)
@@ -283,9 +289,8 @@ if triton is not None:
         h = key // NKB
         kidx = tl.load(kstart_ptr + key - h * NKB) + key0 + tl.arange(0, BN)
         rows = (kidx[:, None] * HKV + h) * D + tl.arange(0, D)[None, :]
-        kmask = (kidx < T)[:, None]
-        kt = tl.load(k_ptr + rows, mask=kmask, other=0.0)
-        vt = tl.load(v_ptr + rows, mask=kmask, other=0.0)
+        kt = tl.load(k_ptr + rows, mask=(kidx < T)[:, None], other=0.0)
+        vt = tl.load(v_ptr + rows, mask=(kidx < T)[:, None], other=0.0)
         return it, h, lo, hi, kidx, kt, vt
 
     @triton.jit
