@@ -56,20 +56,25 @@ def main():
     g = a.hq // a.hkv
     shapes = dict(HQ=a.hq, HKV=a.hkv, G=g, TOPK=a.topk, D=a.dim)
     i32 = {n: "*i32" for n in ("ent_ptr", "order_ptr", "key_ptr", "lo_ptr", "hi_ptr", "kstart_ptr", "seq_ptr",
-                               "gid_ptr", "key_item0_ptr", "item_key_ptr", "okey_ptr")}
-    bf16 = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "opart_ptr", "dq_ptr")}
+                               "gid_ptr", "key_item0_ptr", "item_key_ptr", "okey_ptr", "pos_ptr", "dense_row_ptr")}
+    bf16 = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "opart_ptr", "dq_ptr", "dqp_ptr", "o_ptr",
+                                 "dense_ptr")}
     f32 = {n: "*fp32" for n in ("lpart_ptr", "lse_ptr", "delta_ptr", "dks_ptr", "dvs_ptr")}
-    types = {**i32, **bf16, **f32, "ids_ptr": "*i64", "order_ptr": "*i64", "qk_scale": "fp32"}
+    types = {**i32, **bf16, **f32, "ids_ptr": "*i64", "order_ptr": "*i64", "idx_ptr": "*i64", "qk_scale": "fp32",
+             "scale": "fp32"}
     ftm, btm = max(1, a.fwd_rows // g), max(1, a.bwd_rows // g)
     p2 = lambda n: max(16, 1 << (n - 1).bit_length())  # noqa: E731
     rows = [
         compile_report(mbo._plan_keys, types, dict(HKV=a.hkv, TOPK=a.topk, BE=1024), 4, 3),
+        compile_report(mbo._plan_pos, types, dict(BE=1024), 4, 3),
         compile_report(mbo._plan_items, types,
                        dict(HKVTOPK=a.hkv * a.topk, SIZE_ORDER=False, CH=1024), 4, 3),
         compile_report(mbo._fwd, types, dict(shapes, TM=ftm, BM=p2(ftm * g), PREC="tf32"), a.fwd_warps,
                        a.fwd_stages),
         compile_report(mbo._bwd, types, dict(shapes, TM=btm, BM=p2(btm * g), BN=a.bwd_keys, PREC="tf32",
                                              DQ_ATOMIC=False), a.bwd_warps, a.bwd_stages),
+        compile_report(mbo._merge, types, dict(shapes, R=a.row_tile, HAS_DENSE=False), 4, 3),
+        compile_report(mbo._reduce_dq, types, dict(shapes, NH=128 // a.bwd_keys, R=a.row_tile), 4, 3),
     ]
     print(json.dumps({"command": " ".join(["python"] + sys.argv), "arch": "sm_90", "kernels": rows}, indent=1))
 

@@ -85,6 +85,7 @@ class Plan:
     kstart: torch.Tensor  # [NKB] int32 packed index of each global block's first key
     kend: torch.Tensor  # [NKB] int32 end of that block's sequence (keys past it belong to the next one)
     slot_gid: torch.Tensor  # [T, Hkv, topk] int32 global block per slot; -1 empty or dense-prefix token
+    slot_pos: torch.Tensor  # [T, Hkv, topk] int32 position of the slot in `entries` (its partials' row / G); -1 as gid
     dense_row: torch.Tensor | None  # [T] int32 row in the dense-prefix output, -1 for kernel tokens; None: no prefix
     dense_idx: torch.Tensor  # [Tp] int64 tokens of the dense prefixes, in order
     prefixes: list  # [(start, length)] SDPA calls, offsets into the packed tokens
@@ -127,16 +128,17 @@ def build_plan(block_ids: torch.Tensor, cu_seqlens, config: Config = DEFAULT) ->
     host = torch.tensor([x for row in seq for x in row] + kstart + kend, dtype=torch.int32).to(device)
     seq_d, kstart_d, kend_d = host.split([3 * nseq, nkb, nkb])
     if triton is not None:
-        gid, entries, item_key, lo, hi, order, key_item0 = _plan_triton(block_ids, seq_d, nseq, nkb, n_max, config)
+        tables = _plan_triton(block_ids, seq_d, nseq, nkb, n_max, config)
     else:
-        gid, entries, item_key, lo, hi, order, key_item0 = _plan_torch(block_ids, seq_d, nseq, nkb, n_max, config)
+        tables = _plan_torch(block_ids, seq_d, nseq, nkb, n_max, config)
+    gid, pos, entries, item_key, lo, hi, order, key_item0 = tables
     dense_row, dense_idx = None, torch.empty(0, dtype=torch.int64, device=device)
     if prefixes:
         dense_idx = torch.cat([torch.arange(s, s + p) for s, p in prefixes]).to(device)
         dense_row = torch.full((t_count,), -1, dtype=torch.int32, device=device)
         dense_row[dense_idx] = torch.arange(len(dense_idx), dtype=torch.int32, device=device)
-    return Plan(entries, item_key, lo, hi, order, key_item0, kstart_d, kend_d, gid, dense_row, dense_idx, prefixes,
-                nkb, n_max)
+    return Plan(entries, item_key, lo, hi, order, key_item0, kstart_d, kend_d, gid, pos, dense_row, dense_idx,
+                prefixes, nkb, n_max)
 
 
 def _plan_torch(block_ids, seq_d, nseq, nkb, n_max, config):
@@ -152,6 +154,8 @@ def _plan_torch(block_ids, seq_d, nseq, nkb, n_max, config):
     big = hkv * nkb  # sorts after every real key
     head_base = (torch.arange(hkv, device=device) * nkb)[None, :, None]
     key, entries = torch.sort(torch.where(gid >= 0, head_base + gid, big).reshape(-1), stable=True)  # by token
+    pos = torch.full((t_count * hkv * topk,), -1, dtype=torch.int32, device=device)
+    pos[entries] = torch.where(key < big, torch.arange(len(key), device=device), -1).to(torch.int32)
     bounds_k = torch.searchsorted(key, torch.arange(big + 1, device=device))
     per_key = (bounds_k[1:] - bounds_k[:-1] + config.item_tokens - 1) // config.item_tokens
     key_item0 = F.pad(torch.cumsum(per_key, 0), (1, 0))
@@ -162,7 +166,7 @@ def _plan_torch(block_ids, seq_d, nseq, nkb, n_max, config):
     okey = entries[lo] // (hkv * topk) if config.order == "token" else lo - hi  # largest first: stable on -size
     pad = lambda x, fill: F.pad(x, (0, n_max - n_items), value=fill).to(torch.int32)  # noqa: E731
     order = torch.sort(pad(okey, _EMPTY_KEY), stable=True).indices
-    return (gid.to(torch.int32).contiguous(), entries.to(torch.int32), pad(item_key, 0), pad(lo, 0), pad(hi, 0), order,
+    return (gid.to(torch.int32).contiguous(), pos.view(gid.shape), entries.to(torch.int32), pad(item_key, 0), pad(lo, 0), pad(hi, 0), order,
             key_item0.to(torch.int32))
 
 
@@ -177,13 +181,17 @@ def _plan_triton(block_ids, seq_d, nseq, nkb, n_max, config):
     if ne:
         _plan_keys[(triton.cdiv(ne, 1024),)](block_ids, seq_d, gid, key, ne, nseq, nkb, *block_ids.stride(),
                                              HKV=hkv, TOPK=topk, BE=1024)
-    key, entries = torch.sort(key, stable=True)  # by token inside a key
-    entries = entries.to(torch.int32)  # int64 entries cost the backward kernel registers (spills)
+    key, idx = torch.sort(key, stable=True)  # by token inside a key
+    # int32 entries (int64 ones cost the backward kernel register spills) and each slot's sorted position
+    entries = torch.empty(ne, dtype=torch.int32, device=device)
+    pos = torch.empty(t_count, hkv, topk, dtype=torch.int32, device=device)
+    if ne:
+        _plan_pos[(triton.cdiv(ne, 1024),)](key, idx, entries, pos, ne, hkv * nkb, BE=1024)
     tabs = torch.empty(4 * n_max + hkv * nkb + 1, dtype=torch.int32, device=device)
     item_key, lo, hi, okey, key_item0 = tabs.split([n_max] * 4 + [hkv * nkb + 1])
     _plan_items[(1,)](key, entries, key_item0, item_key, lo, hi, okey, ne, max(ne, 1).bit_length(), hkv * nkb, n_max,
                       config.item_tokens, HKVTOPK=hkv * topk, SIZE_ORDER=config.order == "size", CH=1024)
-    return gid, entries, item_key, lo, hi, torch.sort(okey, stable=True).indices, key_item0
+    return gid, pos, entries, item_key, lo, hi, torch.sort(okey, stable=True).indices, key_item0
 
 
 try:  # module-level jit functions: Triton's interpreter resolves callees from module globals
@@ -212,6 +220,16 @@ if triton is not None:
         gid = tl.where((ids >= 0) & (t - start >= plen), ids + base, -1)
         tl.store(gid_ptr + e, gid, mask=ok)
         tl.store(key_ptr + e, tl.where(gid >= 0, h * NKB + gid, HKV * NKB), mask=ok)
+
+    @triton.jit
+    def _plan_pos(key_ptr, idx_ptr, ent_ptr, pos_ptr, NE, BIG, BE: tl.constexpr):
+        # Sorted position s -> entry: int32 copy of the sort indices, and the inverse map (slot -> s, -1 for the slots
+        # sorted past every real key: empty or dense-prefix).
+        s = tl.program_id(0) * BE + tl.arange(0, BE)
+        ok = s < NE
+        e = tl.load(idx_ptr + s, mask=ok, other=0).to(tl.int32)
+        tl.store(ent_ptr + s, e, mask=ok)
+        tl.store(pos_ptr + e, tl.where(tl.load(key_ptr + s, mask=ok, other=BIG) < BIG, s, -1), mask=ok)
 
     @triton.jit
     def _lower_bound(sorted_ptr, n, x, steps):
@@ -272,8 +290,9 @@ if triton is not None:
         e = tl.load(ent_ptr + slot, mask=ok, other=0)
         tok = e // (HKV * TOPK)
         qrow = tok * HQ + h * G + r % G  # row of q / o / lse (token, query head)
-        prow = e.to(tl.int64) * G + r % G  # row of the per-entry partials
-        return ok, tok, qrow, prow
+        # Partials are stored by sorted position: the tile's rows are the contiguous rows [base*G, base*G + BM) (a
+        # scalar base and small offsets: per-row 64-bit addresses cost the backward kernel 160 B/thread of spills).
+        return ok, tok, qrow, r
 
     @triton.jit
     def _item(item_ptr, key_ptr, lo_ptr, hi_ptr, kstart_ptr, k_ptr, v_ptr, T, NKB, key0,
@@ -301,7 +320,7 @@ if triton is not None:
                                             HKV, D, 128)
         d = tl.arange(0, D)
         for base in range(lo, hi, TM):
-            ok, tok, qrow, prow = _tile(ent_ptr, base, hi, h, HQ, HKV, G, TOPK, TM, BM)
+            ok, tok, qrow, r = _tile(ent_ptr, base, hi, h, HQ, HKV, G, TOPK, TM, BM)
             q = tl.load(q_ptr + qrow[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(kt), input_precision=PREC) * qk_scale  # log2 units
             s = tl.where(kidx[None, :] <= tok[:, None], s, float("-inf"))
@@ -310,8 +329,10 @@ if triton is not None:
             p = tl.exp2(s - m[:, None])
             l = tl.sum(p, 1)
             o = tl.dot(p.to(vt.dtype), vt, input_precision=PREC) / tl.where(l > 0, l, 1.0)[:, None]
-            tl.store(opart_ptr + prow[:, None] * D + d[None, :], o.to(opart_ptr.dtype.element_ty), mask=ok[:, None])
-            tl.store(lpart_ptr + prow, m + tl.log2(l), mask=ok)
+            prow0 = tl.cast(base, tl.int64) * G  # base: a Python int under the interpreter
+            tl.store(opart_ptr + prow0 * D + r[:, None] * D + d[None, :], o.to(opart_ptr.dtype.element_ty),
+                     mask=ok[:, None])
+            tl.store(lpart_ptr + prow0 + r, m + tl.log2(l), mask=ok)
 
     @triton.jit
     def _rows(NROWS, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, R: tl.constexpr):
@@ -323,7 +344,7 @@ if triton is not None:
         return row, ok, row // HQ, head // G, head % G
 
     @triton.jit
-    def _merge(opart_ptr, lpart_ptr, gid_ptr, dense_row_ptr, dense_ptr, o_ptr, lse_ptr, NROWS, HQ: tl.constexpr,
+    def _merge(opart_ptr, lpart_ptr, pos_ptr, dense_row_ptr, dense_ptr, o_ptr, lse_ptr, NROWS, HQ: tl.constexpr,
                HKV: tl.constexpr, G: tl.constexpr, TOPK: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
                HAS_DENSE: tl.constexpr):
         # O and LSE (log2 units) of R rows from their slots' partials; dense-prefix rows copy the SDPA output.
@@ -333,9 +354,9 @@ if triton is not None:
         l = tl.zeros([R], tl.float32)
         acc = tl.zeros([R, D], tl.float32)
         for j in range(TOPK):
-            e = (t * HKV + hk) * TOPK + j
-            used = ok & (tl.load(gid_ptr + e, mask=ok, other=-1) >= 0)
-            prow = e.to(tl.int64) * G + g
+            pos = tl.load(pos_ptr + (t * HKV + hk) * TOPK + j, mask=ok, other=-1)  # sorted position of the slot
+            used = pos >= 0
+            prow = pos.to(tl.int64) * G + g
             lj = tl.load(lpart_ptr + prow, mask=used, other=float("-inf"))
             oj = tl.load(opart_ptr + prow[:, None] * D + d[None, :], mask=used[:, None], other=0.0)
             m_new = tl.maximum(m, lj)
@@ -378,7 +399,7 @@ if triton is not None:
         dk = tl.zeros([BN, D], tl.float32)
         dv = tl.zeros([BN, D], tl.float32)
         for base in range(lo, hi, TM):
-            ok, tok, qrow, prow = _tile(ent_ptr, base, hi, h, HQ, HKV, G, TOPK, TM, BM)
+            ok, tok, qrow, r = _tile(ent_ptr, base, hi, h, HQ, HKV, G, TOPK, TM, BM)
             q = tl.load(q_ptr + qrow[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
             do = tl.load(do_ptr + qrow[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
             lse = tl.load(lse_ptr + qrow, mask=ok, other=float("inf"))
@@ -394,24 +415,24 @@ if triton is not None:
             if DQ_ATOMIC:
                 tl.atomic_add(dq_ptr + qrow[:, None] * D + d[None, :], dq, mask=ok[:, None], sem="relaxed")
             else:
-                tl.store(dq_ptr + (half * NE * G + prow)[:, None] * D + d[None, :], dq.to(dq_ptr.dtype.element_ty),
-                         mask=ok[:, None])
+                tile = dq_ptr + tl.cast(half * NE + base, tl.int64) * (G * D)
+                tl.store(tile + r[:, None] * D + d[None, :], dq.to(dq_ptr.dtype.element_ty), mask=ok[:, None])
         srow = (it.to(tl.int64) * 128 + half * BN + tl.arange(0, BN))[:, None] * D + d[None, :]
         tl.store(dks_ptr + srow, dk)
         tl.store(dvs_ptr + srow, dv)
 
     @triton.jit
-    def _reduce_dq(dqp_ptr, gid_ptr, dq_ptr, NROWS, NE, scale, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
+    def _reduce_dq(dqp_ptr, pos_ptr, dq_ptr, NROWS, NE, scale, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
                    TOPK: tl.constexpr, D: tl.constexpr, NH: tl.constexpr, R: tl.constexpr):
         # dQ of R rows: scale * the sum of their slots' partials (zeros for dense-prefix rows: no slots).
         row, ok, t, hk, g = _rows(NROWS, HQ, HKV, G, R)
         d = tl.arange(0, D)
         acc = tl.zeros([R, D], tl.float32)
         for j in range(TOPK):
-            e = (t * HKV + hk) * TOPK + j
-            used = ok & (tl.load(gid_ptr + e, mask=ok, other=-1) >= 0)
+            pos = tl.load(pos_ptr + (t * HKV + hk) * TOPK + j, mask=ok, other=-1)
+            used = pos >= 0
             for half in range(NH):
-                prow = half * NE * G + e.to(tl.int64) * G + g
+                prow = (half * NE + pos.to(tl.int64)) * G + g
                 acc += tl.load(dqp_ptr + prow[:, None] * D + d[None, :], mask=used[:, None], other=0.0).to(tl.float32)
         tl.store(dq_ptr + row.to(tl.int64)[:, None] * D + d[None, :], (acc * scale).to(dq_ptr.dtype.element_ty),
                  mask=ok[:, None])
@@ -472,10 +493,10 @@ class _BlockOuter(torch.autograd.Function):
                 PREC=prec, num_warps=config.fwd_warps, num_stages=config.fwd_stages)
         has_dense = dense_out is not None
         dense = dense_out.contiguous() if has_dense else o
-        dense_row = plan.dense_row if has_dense else plan.slot_gid  # not read without a dense prefix
+        dense_row = plan.dense_row if has_dense else plan.slot_pos  # not read without a dense prefix
         rows, r = t_count * hq, config.row_tile
         if t_count:
-            _merge[(triton.cdiv(rows, r),)](opart, lpart, plan.slot_gid, dense_row, dense, o, lse, rows, HQ=hq,
+            _merge[(triton.cdiv(rows, r),)](opart, lpart, plan.slot_pos, dense_row, dense, o, lse, rows, HQ=hq,
                                             HKV=hkv, G=g, TOPK=topk, D=dim, R=r, HAS_DENSE=has_dense)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.plan, ctx.scale, ctx.config, ctx.has_dense = plan, scale, config, dense_out is not None
@@ -514,7 +535,7 @@ class _BlockOuter(torch.autograd.Function):
         else:
             dq = torch.empty_like(q)
             if t_count:
-                _reduce_dq[(triton.cdiv(rows, r),)](dq_buf, plan.slot_gid, dq, rows, ne, scale, HQ=hq, HKV=hkv, G=g,
+                _reduce_dq[(triton.cdiv(rows, r),)](dq_buf, plan.slot_pos, dq, rows, ne, scale, HQ=hq, HKV=hkv, G=g,
                                                     TOPK=topk, D=dim, NH=nh, R=r)
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         if plan.nkb:

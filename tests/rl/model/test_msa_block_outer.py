@@ -56,7 +56,7 @@ def _plan_mismatch(ids, cu, cfg):
     seq, kstart, kend, prefixes, nkb = mbo._host_tables(mbo.seq_bounds(cu), ids.shape[2], cfg)
     seq_d = torch.tensor([x for row in seq for x in row], dtype=torch.int32)
     n_max = ids.shape[1] * nkb + -(-ids.numel() // cfg.item_tokens)
-    names = ("slot_gid", "entries", "item_key", "lo", "hi", "order", "key_item0")
+    names = ("slot_gid", "slot_pos", "entries", "item_key", "lo", "hi", "order", "key_item0")
     pairs = zip(names, mbo._plan_triton(ids, seq_d, len(seq), nkb, n_max, cfg),
                 mbo._plan_torch(ids, seq_d, len(seq), nkb, n_max, cfg))
     return [n for n, a, b in pairs if a.dtype != b.dtype or not torch.equal(a, b)]
@@ -104,6 +104,9 @@ def test_plan_groups_every_selection_once():
     assert sorted(ent.tolist()) == (plan.slot_gid.view(-1) >= 0).nonzero().squeeze(1).tolist()
     key = plan.item_key.long().repeat_interleave((plan.item_hi - plan.item_lo).long())
     assert torch.equal(key, (ent // topk) % hkv * plan.nkb + plan.slot_gid.view(-1)[ent].long())
+    pos = plan.slot_pos.reshape(-1).long()  # sorted position of each kernel slot (its partials' rows), -1 as gid
+    assert torch.equal(pos >= 0, plan.slot_gid.reshape(-1) >= 0)
+    assert torch.equal(plan.entries[pos[pos >= 0]].long(), (pos >= 0).nonzero().squeeze(1))
     assert (plan.item_hi - plan.item_lo).max() <= 16
     assert plan.dense_idx.tolist() == list(range(384)) + list(range(700, 700 + 300))
     n_items = int(plan.key_item0[-1])
