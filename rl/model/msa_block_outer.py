@@ -10,7 +10,8 @@ selection is an *entry*; entries are grouped by (KV head, key block) (one stable
 a time, i.e. tiles of TM x G rows (G = Hq/Hkv query heads of a token share the KV head's selection), so the MMAs are
 64/128 rows tall and never visit a block the token did not select.
 - forward: per tile, softmax over this block alone; writes the normalised partial output and its log-sum-exp per
-  (entry, query head); `_merge` combines each row's <= topk partials (as split-KV decoding does) into O and the LSE;
+  (entry, query head), in sorted-entry order (a tile's rows are contiguous); `_merge` combines each row's <= topk
+  partials (found through `Plan.slot_pos`, as split-KV decoding does) into O and the LSE;
 - backward: per tile, P from the final LSE, dV += P^T dO, dK += dS^T Q in registers; dQ of the tile (dS K) is a
   partial per entry (summed per row by `_reduce_dq`) or an fp32 atomic add (`dq="atomic"`). An item stores its
   dK/dV sums to scratch and `_reduce_dkdv` adds a block's items in order: one owner, no atomics, deterministic.
@@ -166,8 +167,8 @@ def _plan_torch(block_ids, seq_d, nseq, nkb, n_max, config):
     okey = entries[lo] // (hkv * topk) if config.order == "token" else lo - hi  # largest first: stable on -size
     pad = lambda x, fill: F.pad(x, (0, n_max - n_items), value=fill).to(torch.int32)  # noqa: E731
     order = torch.sort(pad(okey, _EMPTY_KEY), stable=True).indices
-    return (gid.to(torch.int32).contiguous(), pos.view(gid.shape), entries.to(torch.int32), pad(item_key, 0), pad(lo, 0), pad(hi, 0), order,
-            key_item0.to(torch.int32))
+    return (gid.to(torch.int32).contiguous(), pos.view(gid.shape), entries.to(torch.int32), pad(item_key, 0),
+            pad(lo, 0), pad(hi, 0), order, key_item0.to(torch.int32))
 
 
 def _plan_triton(block_ids, seq_d, nseq, nkb, n_max, config):
