@@ -25,11 +25,11 @@ On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1; tests onl
 The plan (`build_plan`) never waits for the device: the grid is a host-computed bound on the number of items, the
 tail of the item tables is empty rows, launched last, whose programs do no work.
 
-Measured on one H200 (results/gpu/run14, run14b, issue18_targets.json; 64 q / 4 KV heads, d 128, top-16, bf16): fwd
-9.8-10.3 ms, fwd+bwd 27.8-28.2 ms at 32K tokens (per-token kernels 99 ms, dense causal SDPA 113 ms), 55.4-55.6 ms at
-64K (SDPA 447-450 ms); faster than SDPA from 8K tokens (single sequence). At 32K the block kernels take 21.7 ms
-(about half their ceilings; the backward spills 224 B of registers per thread), the merge and dQ sum 4.5 ms (at
-bandwidth: the cost of the partials), the plan ~0.2 ms of GPU time and ~0.4 ms of host time.
+Measured on one H200 (results/gpu/run14c, issue18_targets.json; 64 q / 4 KV heads, d 128, top-16, bf16): fwd 10.3 ms,
+fwd+bwd 27.7 ms at 32K tokens (per-token kernels 99 ms, dense causal SDPA 114 ms), 55.9 ms at 64K (SDPA 449 ms);
+faster than SDPA from 8K tokens (single sequence), 1.5x slower at 4K. At 32K the block kernels take 21.6 ms (about
+half their ceilings), the merge and dQ sum 4.7 ms (at bandwidth: the cost of the partials), the plan 0.26 ms of GPU
+time; measured minus kernels is 0.6 ms.
 """
 
 from __future__ import annotations
