@@ -13,7 +13,9 @@ Each case reports the median (and min/max) over --repeats timed runs after --war
   earlier key), 4*D per (query head, key) forward and 3.5x that forward+backward (2 + 5 matmuls), over the time;
 - --sweep LENGTHS: block-outer tile/launch variants (rl.model.msa_block_outer.Config) timed fwd (forward fields) or
   fwd+bwd (backward fields) at those lengths, single sequence;
-- --profile LENGTHS: GPU time per kernel of one fwd+bwd (torch.profiler), single sequence.
+- --profile LENGTHS: GPU time per kernel of one fwd+bwd (torch.profiler), single sequence;
+- --back-to-back N: also msa and sdpa fwd+bwd timed as N calls in a row between the events, per call (*_b2b): the
+  host work of one call then overlaps the GPU work of the previous one, as in a model's layers (no sync inside).
 Index q/k are built so neighbouring queries mostly agree (a per-64-token topic plus noise), like real text.
 Prints one JSON document, "command" first, and a table last; --out also writes the JSON.
 """
@@ -33,11 +35,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from rl.model import msa  # noqa: E402
 
 # Config fields changed from rl.model.msa_block_outer.DEFAULT: SWEEP_FWD timed forward only, SWEEP_BWD forward+backward.
-SWEEP_FWD = [dict(), dict(fwd_stages=3), dict(fwd_stages=1), dict(fwd_rows=32), dict(fwd_rows=128),
-             dict(fwd_warps=8), dict(order="size"), dict(row_tile=128), dict(item_tokens=256)]
-SWEEP_BWD = [dict(), dict(bwd_stages=3), dict(bwd_rows=128), dict(bwd_rows=128, bwd_stages=3), dict(bwd_rows=32),
-             dict(order="size"), dict(item_tokens=256), dict(item_tokens=1024), dict(dq="atomic"),
-             dict(dense_prefix_min=1024)]
+# Earlier lists (tile rows, warps, stages, orders, item sizes, atomic dQ): results/gpu/run12c; 64-key backward
+# programs (fewer register spills, two dQ partials per block), 1 backward stage, 4 forward stages: run14 (all slower).
+SWEEP_FWD = [dict(), dict(item_tokens=256), dict(dense_prefix_min=1024)]
+SWEEP_BWD = [dict(), dict(item_tokens=256), dict(order="size"), dict(dense_prefix_min=1024)]
 
 
 def parse_args():
@@ -58,6 +59,7 @@ def parse_args():
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--no-sdpa", action="store_true", help="skip the dense baseline")
     p.add_argument("--sweep", default="", help="lengths at which to time block-outer variants, comma separated")
+    p.add_argument("--back-to-back", type=int, default=0, help="also time N fwd+bwd calls in a row (0: off)")
     p.add_argument("--profile", default="", help="lengths at which to list fwd+bwd kernel times (torch.profiler)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--seed", type=int, default=0)
@@ -66,16 +68,19 @@ def parse_args():
 
 
 def timed(fn, warmup, repeats, device):
-    """Median/min/max milliseconds of fn() over `repeats` runs after `warmup` (CUDA events; wall clock on CPU)."""
+    """Median/min/max milliseconds of fn() over `repeats` runs after `warmup` (CUDA events; wall clock on CPU);
+    on CUDA also host_ms, the median time until fn() returns (its launches, and any sync inside it)."""
     for _ in range(warmup):
         fn()
-    times = []
+    times, host = [], []
     for _ in range(repeats):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize()
             start.record()
+            t0 = time.perf_counter()
             fn()
+            host.append((time.perf_counter() - t0) * 1e3)
             end.record()
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end))
@@ -83,7 +88,8 @@ def timed(fn, warmup, repeats, device):
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times)}
+    out = {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times)}
+    return {**out, "host_ms": statistics.median(host)} if host else out
 
 
 def peak_memory(fn, device):
@@ -168,6 +174,17 @@ def bench_case(total, packed, args, device, dtype, gen):
                                     args.repeats, device)
         row["sdpa_fwd_bwd_tflops"] = 3.5 * dense_tf / row["sdpa_fwd_bwd"]["median_ms"] * 1e3
         row["msa_over_sdpa_fwd_bwd"] = row["msa_fwd_bwd"]["median_ms"] / row["sdpa_fwd_bwd"]["median_ms"]
+    n = args.back_to_back
+    if n > 0:
+        fns = {"msa": run_msa(args.impl, True)}
+        if not args.no_sdpa:
+            fns["sdpa"] = lambda: torch.autograd.grad(sdpa(), (q, k, v), grad_out)
+        for name, fn in fns.items():
+            t = timed(lambda: [fn() for _ in range(n)], 1, args.repeats, device)
+            row[f"{name}_fwd_bwd_b2b"] = {k: x / n for k, x in t.items()}
+        if "sdpa" in fns:
+            row["msa_over_sdpa_fwd_bwd_b2b"] = (row["msa_fwd_bwd_b2b"]["median_ms"]
+                                                / row["sdpa_fwd_bwd_b2b"]["median_ms"])
     return row
 
 
@@ -222,21 +239,28 @@ def profile(total, args, device, dtype, gen):
 
 
 def table(report):
-    lines = ["tokens seqs | select plan | msa fwd  fwd+bwd (TFLOP/s fwd, f+b) | sdpa fwd  fwd+bwd (TFLOP/s) | ratio"
+    lines = ["tokens seqs | select plan | msa fwd  fwd+bwd (TFLOP/s fwd, f+b) host fwd f+b | sdpa fwd  fwd+bwd "
+             "(TFLOP/s) | ratio"
              + "".join(f" | {c} f+b" for c in report["config"]["compare"].split(",") if c)]
     for r in report["results"]:
         line = (f"{r['tokens']:6d} {r['sequences']:4d} | {r['select']['median_ms']:6.2f} "
                 f"{r.get('plan', {}).get('median_ms', float('nan')):5.2f} | {r['msa_fwd']['median_ms']:7.2f} "
-                f"{r['msa_fwd_bwd']['median_ms']:8.2f} ({r['msa_fwd_tflops']:4.0f}, {r['msa_fwd_bwd_tflops']:4.0f})")
+                f"{r['msa_fwd_bwd']['median_ms']:8.2f} ({r['msa_fwd_tflops']:4.0f}, {r['msa_fwd_bwd_tflops']:4.0f}) "
+                + " ".join(f"{r[k].get('host_ms', float('nan')):5.2f}" for k in ("msa_fwd", "msa_fwd_bwd")))
         if "sdpa_fwd" in r:
             line += (f" | {r['sdpa_fwd']['median_ms']:7.2f} {r['sdpa_fwd_bwd']['median_ms']:8.2f} "
                      f"({r['sdpa_fwd_bwd_tflops']:4.0f}) | {r['msa_over_sdpa_fwd_bwd']:.2f}")
+        if "msa_fwd_bwd_b2b" in r:
+            line += f" | b2b {r['msa_fwd_bwd_b2b']['median_ms']:7.2f}"
+            if "sdpa_fwd_bwd_b2b" in r:
+                line += f" {r['sdpa_fwd_bwd_b2b']['median_ms']:7.2f} {r['msa_over_sdpa_fwd_bwd_b2b']:.2f}"
         for c in (c for c in report["config"]["compare"].split(",") if c):
             if f"{c}_fwd_bwd" in r:
                 line += f" | {r[f'{c}_fwd_bwd']['median_ms']:8.2f}"
         lines.append(line)
     for s in report.get("sweep", []):
-        lines.append(" ".join(f"{k}={v}" for k, v in s.items() if k not in ("min_ms", "max_ms")))
+        lines.append(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in s.items()
+                              if k not in ("min_ms", "max_ms")))
     for p in report.get("profile", []):
         lines.append(f"profile {p['tokens']}: kernels {p['kernels_ms_total']:.2f} ms per fwd+bwd")
         lines += [f"  {r['ms']:7.3f} ms {r['calls']:5.1f}x {r['kernel']}" for r in p["kernels"][:12]]

@@ -10,7 +10,8 @@ selection is an *entry*; entries are grouped by (KV head, key block) (one stable
 a time, i.e. tiles of TM x G rows (G = Hq/Hkv query heads of a token share the KV head's selection), so the MMAs are
 64/128 rows tall and never visit a block the token did not select.
 - forward: per tile, softmax over this block alone; writes the normalised partial output and its log-sum-exp per
-  (entry, query head); `_merge` combines each row's <= topk partials (as split-KV decoding does) into O and the LSE;
+  (entry, query head), in sorted-entry order (a tile's rows are contiguous); `_merge` combines each row's <= topk
+  partials (found through `Plan.slot_pos`, as split-KV decoding does) into O and the LSE;
 - backward: per tile, P from the final LSE, dV += P^T dO, dK += dS^T Q in registers; dQ of the tile (dS K) is a
   partial per entry (summed per row by `_reduce_dq`) or an fp32 atomic add (`dq="atomic"`). An item stores its
   dK/dV sums to scratch and `_reduce_dkdv` adds a block's items in order: one owner, no atomics, deterministic.
@@ -21,10 +22,14 @@ Operands bf16, accumulation fp32, P and dS rounded to the operand type before th
 rl.model.msa_triton do); partials stored in `part_dtype`. Work items run largest first (LPT) for balance, or by token.
 On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1; tests only).
 
-Measured on one H200 (results/gpu/run12d, issue18_targets.json; 64 q / 4 KV heads, d 128, top-16, bf16): fwd 11.5 ms,
-fwd+bwd 29.5 ms at 32K tokens (per-token kernels 98 ms, dense causal SDPA 115 ms), 57 ms at 64K (SDPA 452 ms); slower
-than SDPA below ~9K tokens. At 32K the block kernels take 21.6 ms (about half their ceilings), the merge and dQ sum
-4.4 ms (at bandwidth: the cost of the partials), the host-side plan ~2 ms.
+The plan (`build_plan`) never waits for the device: the grid is a host-computed bound on the number of items, the
+tail of the item tables is empty rows, launched last, whose programs do no work.
+
+Measured on one H200 (results/gpu/run14c, issue18_targets.json; 64 q / 4 KV heads, d 128, top-16, bf16): fwd 10.3 ms,
+fwd+bwd 27.7 ms at 32K tokens (per-token kernels 99 ms, dense causal SDPA 114 ms), 55.9 ms at 64K (SDPA 449 ms);
+faster than SDPA from 8K tokens (single sequence), 1.5x slower at 4K. At 32K the block kernels take 21.6 ms (about
+half their ceilings), the merge and dQ sum 4.7 ms (at bandwidth: the cost of the partials), the plan 0.26 ms of GPU
+time; measured minus kernels is 0.6 ms.
 """
 
 from __future__ import annotations
@@ -67,72 +72,127 @@ DEFAULT = Config()
 
 @dataclass
 class Plan:
-    """Index tables for one (block_ids, cu_seqlens); built on the ids' device."""
+    """Index tables for one (block_ids, cu_seqlens); built on the ids' device without a host sync.
+
+    The number of work items is only known on the device, so the item tables have a host-computable upper bound of
+    rows (`n_max`); rows past the real items are empty (lo == hi) and launched last: their programs do no work."""
 
     entries: torch.Tensor  # [NE] int32 flat (token*Hkv + head)*topk + slot, grouped by (head, block), tokens ascending
-    item_key: torch.Tensor  # [NI] int32 head*NKB + global block of each item (items in key order)
-    item_lo: torch.Tensor  # [NI] int32 range of the item in `entries`
+    item_key: torch.Tensor  # [n_max] int32 head*NKB + global block of each item (items in key order; 0 when empty)
+    item_lo: torch.Tensor  # [n_max] int32 range of the item in `entries` (lo == hi: an empty row)
     item_hi: torch.Tensor
-    order: torch.Tensor  # [NI] int32 launch order (Config.order)
+    order: torch.Tensor  # [n_max] int64 launch order (Config.order), empty rows last
     key_item0: torch.Tensor  # [Hkv*NKB + 1] int32 first item of each key
     kstart: torch.Tensor  # [NKB] int32 packed index of each global block's first key
     kend: torch.Tensor  # [NKB] int32 end of that block's sequence (keys past it belong to the next one)
     slot_gid: torch.Tensor  # [T, Hkv, topk] int32 global block per slot; -1 empty or dense-prefix token
-    dense_row: torch.Tensor  # [T] int32 row in the dense-prefix output, -1 for tokens the kernels handle
+    slot_pos: torch.Tensor  # [T, Hkv, topk] int32 position of the slot in `entries` (its partials' row / G); -1 as gid
+    dense_row: torch.Tensor | None  # [T] int32 row in the dense-prefix output, -1 for kernel tokens; None: no prefix
     dense_idx: torch.Tensor  # [Tp] int64 tokens of the dense prefixes, in order
     prefixes: list  # [(start, length)] SDPA calls, offsets into the packed tokens
     nkb: int
+    n_max: int  # rows of the item tables: Hkv*NKB + ceil(NE / item_tokens) >= the number of items
+
+
+_EMPTY_KEY = 2 ** 31 - 1  # launch-order key of the empty item rows: after every real one
+
+
+def _host_tables(bounds, topk: int, config: Config):
+    """Per-sequence and per-block tables from the (host) sequence bounds, in plain Python: [start, base, plen] per
+    sequence, [kstart], [kend] per global block, the dense prefixes and the block count."""
+    seq, kstart, kend, prefixes, nkb = [], [], [], [], 0
+    for s, e in bounds:
+        nblk = (e - s + BLOCK - 1) // BLOCK
+        # Dense prefixes: positions < topk*128 select every visible block, i.e. causal attention over the prefix.
+        plen = min(e - s, topk * BLOCK)
+        plen = plen if config.dense_prefix_min > 0 and plen >= config.dense_prefix_min else 0
+        seq.append((s, nkb, plen))
+        kstart += range(s, s + BLOCK * nblk, BLOCK)
+        kend += [e] * nblk
+        if plen:
+            prefixes.append((s, plen))
+        nkb += nblk
+    return seq, kstart, kend, prefixes, nkb
 
 
 def build_plan(block_ids: torch.Tensor, cu_seqlens, config: Config = DEFAULT) -> Plan:
-    """The inverted lists. Per-sequence and per-block tables are made on the host and copied once; the per-entry
-    work is one stable sort on the device; one sync reads the number of work items (the grid size). Few launches:
-    at 4K tokens this runs about as long as the kernels (results/gpu/run12: 1.9 ms before this layout)."""
+    """The inverted lists, with no device->host sync (the plan is built inside every attention call; a sync there
+    drains the launch queue of the whole layer): host tables in Python, copied in one transfer; then, with Triton,
+    two kernels around one stable sort of the entries and one sort of the items (`_plan_keys`, `_plan_items`), and
+    without Triton (CPU) the same tables from torch ops (`_plan_torch`)."""
     device = block_ids.device
     t_count, hkv, topk = block_ids.shape
     bounds = seq_bounds(cu_seqlens)
-    nseq = len(bounds)
-    lens = torch.tensor([e - s for s, e in bounds])
-    nblk = (lens + BLOCK - 1) // BLOCK
-    nkb = int(nblk.sum())
-    cu = F.pad(torch.cumsum(lens, 0), (1, 0))
-    base = torch.cumsum(nblk, 0) - nblk  # first global block of each sequence
-    seq_of_kb = torch.repeat_interleave(torch.arange(nseq), nblk)
-    kstart = cu[seq_of_kb] + BLOCK * (torch.arange(nkb) - base[seq_of_kb])
-    # Dense prefixes: positions < topk*128 select every visible block, i.e. causal attention over the prefix.
-    plen = torch.clamp(lens, max=topk * BLOCK)
-    plen = torch.where((plen >= config.dense_prefix_min) & (config.dense_prefix_min > 0), plen, 0)
-    prefixes = [(s, int(p)) for (s, _), p in zip(bounds, plen) if p]
-    host = torch.cat([cu[:-1], lens, base, plen, kstart, cu[seq_of_kb + 1]]).to(device)
-    cu_d, lens_d, base_d, plen_d, kstart_d, kend_d = host.split([nseq, nseq, nseq, nseq, nkb, nkb])
+    seq, kstart, kend, prefixes, nkb = _host_tables(bounds, topk, config)
+    nseq, ne = len(seq), t_count * hkv * topk
+    n_max = hkv * nkb + -(-ne // config.item_tokens)  # each key adds < 1 item to its share of ceil(NE / item_tokens)
+    host = torch.tensor([x for row in seq for x in row] + kstart + kend, dtype=torch.int32).to(device)
+    seq_d, kstart_d, kend_d = host.split([3 * nseq, nkb, nkb])
+    if triton is not None:
+        tables = _plan_triton(block_ids, seq_d, nseq, nkb, n_max, config)
+    else:
+        tables = _plan_torch(block_ids, seq_d, nseq, nkb, n_max, config)
+    gid, pos, entries, item_key, lo, hi, order, key_item0 = tables
+    dense_row, dense_idx = None, torch.empty(0, dtype=torch.int64, device=device)
+    if prefixes:
+        dense_idx = torch.cat([torch.arange(s, s + p) for s, p in prefixes]).to(device)
+        dense_row = torch.full((t_count,), -1, dtype=torch.int32, device=device)
+        dense_row[dense_idx] = torch.arange(len(dense_idx), dtype=torch.int32, device=device)
+    return Plan(entries, item_key, lo, hi, order, key_item0, kstart_d, kend_d, gid, pos, dense_row, dense_idx,
+                prefixes, nkb, n_max)
 
-    seq = torch.repeat_interleave(torch.arange(nseq, device=device), lens_d, output_size=t_count)
-    pos = torch.arange(t_count, device=device) - cu_d[seq]
-    dense = pos < plen_d[seq]
-    ids = block_ids.to(torch.int32)
-    gid = torch.where((ids >= 0) & ~dense[:, None, None], ids + base_d[seq].to(torch.int32)[:, None, None], -1)
+
+def _plan_torch(block_ids, seq_d, nseq, nkb, n_max, config):
+    """`build_plan`'s device tables from torch ops (no Triton: CPU); the same tables as `_plan_triton`."""
+    device = block_ids.device
+    t_count, hkv, topk = block_ids.shape
+    start, base, plen = seq_d.view(nseq, 3).long().unbind(1)
+    tok = torch.arange(t_count, device=device)
+    sq = (tok[:, None] >= start[None, 1:]).sum(1)  # the last sequence starting at or before the token
+    dense = tok - start[sq] < plen[sq]
+    ids = block_ids.long()
+    gid = torch.where((ids >= 0) & ~dense[:, None, None], ids + base[sq][:, None, None], -1)
     big = hkv * nkb  # sorts after every real key
-    head_base = (torch.arange(hkv, device=device, dtype=torch.int32) * nkb)[None, :, None]
+    head_base = (torch.arange(hkv, device=device) * nkb)[None, :, None]
     key, entries = torch.sort(torch.where(gid >= 0, head_base + gid, big).reshape(-1), stable=True)  # by token
-    bounds_k = torch.searchsorted(key, torch.arange(big + 1, device=device, dtype=torch.int32))
-    counts = bounds_k[1:] - bounds_k[:-1]
-    per_key = (counts + config.item_tokens - 1) // config.item_tokens
+    pos = torch.full((t_count * hkv * topk,), -1, dtype=torch.int32, device=device)
+    pos[entries] = torch.where(key < big, torch.arange(len(key), device=device), -1).to(torch.int32)
+    bounds_k = torch.searchsorted(key, torch.arange(big + 1, device=device))
+    per_key = (bounds_k[1:] - bounds_k[:-1] + config.item_tokens - 1) // config.item_tokens
     key_item0 = F.pad(torch.cumsum(per_key, 0), (1, 0))
-    n_items = int(key_item0[-1])  # the one sync
-    item_key = torch.repeat_interleave(torch.arange(big, device=device), per_key, output_size=n_items)
+    item_key = torch.repeat_interleave(torch.arange(big, device=device), per_key)
+    n_items = item_key.numel()
     lo = bounds_k[item_key] + (torch.arange(n_items, device=device) - key_item0[item_key]) * config.item_tokens
     hi = torch.minimum(lo + config.item_tokens, bounds_k[item_key + 1])
-    if config.order == "token":
-        order = torch.sort(entries[lo] // (hkv * topk), stable=True).indices
-    else:
-        order = torch.sort(hi - lo, descending=True, stable=True).indices
-    dense_row = torch.full((t_count,), -1, dtype=torch.int32, device=device)
-    dense_idx = torch.cat([torch.arange(s, s + p) for s, p in prefixes]).to(device) if prefixes else seq[:0]
-    if prefixes:
-        dense_row[dense_idx] = torch.arange(len(dense_idx), dtype=torch.int32, device=device)
-    i32 = lambda x: x.to(torch.int32).contiguous()  # noqa: E731
-    return Plan(i32(entries), i32(item_key), i32(lo), i32(hi), i32(order), i32(key_item0), i32(kstart_d),
-                i32(kend_d), gid.contiguous(), dense_row, dense_idx, prefixes, nkb)
+    okey = entries[lo] // (hkv * topk) if config.order == "token" else lo - hi  # largest first: stable on -size
+    pad = lambda x, fill: F.pad(x, (0, n_max - n_items), value=fill).to(torch.int32)  # noqa: E731
+    order = torch.sort(pad(okey, _EMPTY_KEY), stable=True).indices
+    return (gid.to(torch.int32).contiguous(), pos.view(gid.shape), entries.to(torch.int32), pad(item_key, 0),
+            pad(lo, 0), pad(hi, 0), order, key_item0.to(torch.int32))
+
+
+def _plan_triton(block_ids, seq_d, nseq, nkb, n_max, config):
+    """`build_plan`'s device tables: `_plan_keys` (slot -> global block and sort key), a stable sort of the keys,
+    `_plan_items` (one program: per-key bounds by binary search, item rows, launch-order keys), a sort of those."""
+    device = block_ids.device
+    t_count, hkv, topk = block_ids.shape
+    ne = t_count * hkv * topk
+    gid = torch.empty(t_count, hkv, topk, dtype=torch.int32, device=device)
+    key = torch.empty(ne, dtype=torch.int32, device=device)
+    if ne:
+        _plan_keys[(triton.cdiv(ne, 1024),)](block_ids, seq_d, gid, key, ne, nseq, nkb, *block_ids.stride(),
+                                             HKV=hkv, TOPK=topk, BE=1024)
+    key, idx = torch.sort(key, stable=True)  # by token inside a key
+    # int32 entries (int64 ones cost the backward kernel register spills) and each slot's sorted position
+    entries = torch.empty(ne, dtype=torch.int32, device=device)
+    pos = torch.empty(t_count, hkv, topk, dtype=torch.int32, device=device)
+    if ne:
+        _plan_pos[(triton.cdiv(ne, 1024),)](key, idx, entries, pos, ne, hkv * nkb, BE=1024)
+    tabs = torch.empty(4 * n_max + hkv * nkb + 1, dtype=torch.int32, device=device)
+    item_key, lo, hi, okey, key_item0 = tabs.split([n_max] * 4 + [hkv * nkb + 1])
+    _plan_items[(1,)](key, entries, key_item0, item_key, lo, hi, okey, ne, max(ne, 1).bit_length(), hkv * nkb, n_max,
+                      config.item_tokens, HKVTOPK=hkv * topk, SIZE_ORDER=config.order == "size", CH=1024)
+    return gid, pos, entries, item_key, lo, hi, torch.sort(okey, stable=True).indices, key_item0
 
 
 try:  # module-level jit functions: Triton's interpreter resolves callees from module globals
@@ -143,6 +203,85 @@ except ImportError:  # CPU installs: only the reference paths
 
 if triton is not None:
     @triton.jit
+    def _plan_keys(ids_ptr, seq_ptr, gid_ptr, key_ptr, NE, NSEQ, NKB, s0, s1, s2, HKV: tl.constexpr,
+                   TOPK: tl.constexpr, BE: tl.constexpr):
+        # BE slots (token, head, slot) in flat order: global block (-1: empty or dense-prefix token) and sort key
+        # head*NKB + block (HKV*NKB, after every real key, for the -1 slots).
+        e = tl.program_id(0) * BE + tl.arange(0, BE)
+        ok = e < NE
+        t = e // (HKV * TOPK)
+        h = (e // TOPK) % HKV
+        ids = tl.load(ids_ptr + t.to(tl.int64) * s0 + h * s1 + (e % TOPK) * s2, mask=ok, other=-1).to(tl.int32)
+        sq = tl.zeros([BE], tl.int32)
+        for s in range(1, NSEQ):  # the last sequence starting at or before the token (empty ones start there too)
+            sq += (t >= tl.load(seq_ptr + 3 * s)).to(tl.int32)
+        start = tl.load(seq_ptr + 3 * sq, mask=ok, other=0)
+        base = tl.load(seq_ptr + 3 * sq + 1, mask=ok, other=0)
+        plen = tl.load(seq_ptr + 3 * sq + 2, mask=ok, other=0)
+        gid = tl.where((ids >= 0) & (t - start >= plen), ids + base, -1)
+        tl.store(gid_ptr + e, gid, mask=ok)
+        tl.store(key_ptr + e, tl.where(gid >= 0, h * NKB + gid, HKV * NKB), mask=ok)
+
+    @triton.jit
+    def _plan_pos(key_ptr, idx_ptr, ent_ptr, pos_ptr, NE, BIG, BE: tl.constexpr):
+        # Sorted position s -> entry: int32 copy of the sort indices, and the inverse map (slot -> s, -1 for the slots
+        # sorted past every real key: empty or dense-prefix).
+        s = tl.program_id(0) * BE + tl.arange(0, BE)
+        ok = s < NE
+        e = tl.load(idx_ptr + s, mask=ok, other=0).to(tl.int32)
+        tl.store(ent_ptr + s, e, mask=ok)
+        tl.store(pos_ptr + e, tl.where(tl.load(key_ptr + s, mask=ok, other=BIG) < BIG, s, -1), mask=ok)
+
+    @triton.jit
+    def _lower_bound(sorted_ptr, n, x, steps):
+        # First index i in [0, n] with sorted[i] >= x, per lane (binary search; steps >= bit length of n).
+        lo = tl.zeros_like(x)
+        hi = tl.zeros_like(x) + n
+        for _ in range(steps):
+            active = lo < hi
+            mid = (lo + hi) // 2
+            below = tl.load(sorted_ptr + mid, mask=active, other=0) < x
+            lo = tl.where(active & below, mid + 1, lo)
+            hi = tl.where(active & ~below, mid, hi)
+        return lo
+
+    @triton.jit
+    def _plan_items(key_ptr, ent_ptr, key_item0_ptr, item_key_ptr, lo_ptr, hi_ptr, okey_ptr, NE, STEPS, NK, NMAX,
+                    ITEM, HKVTOPK: tl.constexpr, SIZE_ORDER: tl.constexpr, CH: tl.constexpr):
+        # One program: keys CH at a time, in order; each key's entries [lo_k, hi_k) become ceil(n / ITEM) items.
+        # Every address is written once (rows past the last item get the empty row), so no ordering is needed.
+        carry = 0
+        for c in range(0, NK, CH):
+            k = c + tl.arange(0, CH)
+            kok = k < NK
+            lo_k = _lower_bound(key_ptr, NE, k, STEPS)
+            hi_k = _lower_bound(key_ptr, NE, k + 1, STEPS)
+            n = tl.where(kok, (hi_k - lo_k + ITEM - 1) // ITEM, 0)
+            first = carry + tl.cumsum(n, 0) - n
+            tl.store(key_item0_ptr + k, first, mask=kok)
+            for j in range(tl.max(n, 0)):
+                m = j < n
+                lo = lo_k + j * ITEM
+                hi = tl.minimum(lo + ITEM, hi_k)
+                if SIZE_ORDER:
+                    okey = lo - hi  # largest first
+                else:
+                    okey = (tl.load(ent_ptr + lo, mask=m, other=0) // HKVTOPK).to(tl.int32)  # first token
+                tl.store(item_key_ptr + first + j, k, mask=m)
+                tl.store(lo_ptr + first + j, lo, mask=m)
+                tl.store(hi_ptr + first + j, hi, mask=m)
+                tl.store(okey_ptr + first + j, okey, mask=m)
+            carry += tl.sum(n, 0)
+        tl.store(key_item0_ptr + NK, carry)
+        for c in range(carry, NMAX, CH):
+            i = c + tl.arange(0, CH)
+            m = i < NMAX
+            tl.store(item_key_ptr + i, 0, mask=m)
+            tl.store(lo_ptr + i, 0, mask=m)
+            tl.store(hi_ptr + i, 0, mask=m)
+            tl.store(okey_ptr + i, 2147483647, mask=m)
+
+    @triton.jit
     def _tile(ent_ptr, base, hi, h, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, TOPK: tl.constexpr,
               TM: tl.constexpr, BM: tl.constexpr):
         # Rows of the tile at entries [base, base+TM): row r = entry base + r//G, query head h*G + r%G.
@@ -152,21 +291,27 @@ if triton is not None:
         e = tl.load(ent_ptr + slot, mask=ok, other=0)
         tok = e // (HKV * TOPK)
         qrow = tok * HQ + h * G + r % G  # row of q / o / lse (token, query head)
-        prow = e.to(tl.int64) * G + r % G  # row of the per-entry partials
-        return ok, tok, qrow, prow
+        # Partials are stored by sorted position: the tile's rows are the contiguous rows [base*G, base*G + BM) (a
+        # scalar base and small offsets: per-row 64-bit addresses cost the backward kernel 160 B/thread of spills).
+        return ok, tok, qrow, r
 
     @triton.jit
     def _item(item_ptr, key_ptr, lo_ptr, hi_ptr, kstart_ptr, k_ptr, v_ptr, T, NKB, key0,
               HKV: tl.constexpr, D: tl.constexpr, BN: tl.constexpr):
         # The launched item, its KV head, and the K/V rows [BN, D] it owns (BN keys from key0 inside the block).
-        it = tl.load(item_ptr + tl.program_id(0))
+        # An empty row of the item tables (lo == hi, past the real items) loops zero times; its K/V loads and (backward)
+        # zero dK/dV stores go unmasked, to scratch nothing reads: masking them cost the backward kernel register
+        # spills (224 -> 464 B per thread, Triton 3.6, sm_90).
+        it = tl.load(item_ptr + tl.program_id(0)).to(tl.int32)  # int64 sort indices
         key = tl.load(key_ptr + it)
+        lo = tl.load(lo_ptr + it)
+        hi = tl.load(hi_ptr + it)
         h = key // NKB
         kidx = tl.load(kstart_ptr + key - h * NKB) + key0 + tl.arange(0, BN)
         rows = (kidx[:, None] * HKV + h) * D + tl.arange(0, D)[None, :]
         kt = tl.load(k_ptr + rows, mask=(kidx < T)[:, None], other=0.0)
         vt = tl.load(v_ptr + rows, mask=(kidx < T)[:, None], other=0.0)
-        return it, h, tl.load(lo_ptr + it), tl.load(hi_ptr + it), kidx, kt, vt
+        return it, h, lo, hi, kidx, kt, vt
 
     @triton.jit
     def _fwd(q_ptr, k_ptr, v_ptr, opart_ptr, lpart_ptr, ent_ptr, order_ptr, key_ptr, lo_ptr, hi_ptr, kstart_ptr,
@@ -176,7 +321,7 @@ if triton is not None:
                                             HKV, D, 128)
         d = tl.arange(0, D)
         for base in range(lo, hi, TM):
-            ok, tok, qrow, prow = _tile(ent_ptr, base, hi, h, HQ, HKV, G, TOPK, TM, BM)
+            ok, tok, qrow, r = _tile(ent_ptr, base, hi, h, HQ, HKV, G, TOPK, TM, BM)
             q = tl.load(q_ptr + qrow[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(kt), input_precision=PREC) * qk_scale  # log2 units
             s = tl.where(kidx[None, :] <= tok[:, None], s, float("-inf"))
@@ -185,8 +330,10 @@ if triton is not None:
             p = tl.exp2(s - m[:, None])
             l = tl.sum(p, 1)
             o = tl.dot(p.to(vt.dtype), vt, input_precision=PREC) / tl.where(l > 0, l, 1.0)[:, None]
-            tl.store(opart_ptr + prow[:, None] * D + d[None, :], o.to(opart_ptr.dtype.element_ty), mask=ok[:, None])
-            tl.store(lpart_ptr + prow, m + tl.log2(l), mask=ok)
+            prow0 = tl.cast(base, tl.int64) * G  # base: a Python int under the interpreter
+            tl.store(opart_ptr + prow0 * D + r[:, None] * D + d[None, :], o.to(opart_ptr.dtype.element_ty),
+                     mask=ok[:, None])
+            tl.store(lpart_ptr + prow0 + r, m + tl.log2(l), mask=ok)
 
     @triton.jit
     def _rows(NROWS, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, R: tl.constexpr):
@@ -198,8 +345,9 @@ if triton is not None:
         return row, ok, row // HQ, head // G, head % G
 
     @triton.jit
-    def _merge(opart_ptr, lpart_ptr, gid_ptr, dense_row_ptr, dense_ptr, o_ptr, lse_ptr, NROWS, HQ: tl.constexpr,
-               HKV: tl.constexpr, G: tl.constexpr, TOPK: tl.constexpr, D: tl.constexpr, R: tl.constexpr):
+    def _merge(opart_ptr, lpart_ptr, pos_ptr, dense_row_ptr, dense_ptr, o_ptr, lse_ptr, NROWS, HQ: tl.constexpr,
+               HKV: tl.constexpr, G: tl.constexpr, TOPK: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+               HAS_DENSE: tl.constexpr):
         # O and LSE (log2 units) of R rows from their slots' partials; dense-prefix rows copy the SDPA output.
         row, ok, t, hk, g = _rows(NROWS, HQ, HKV, G, R)
         d = tl.arange(0, D)
@@ -207,9 +355,9 @@ if triton is not None:
         l = tl.zeros([R], tl.float32)
         acc = tl.zeros([R, D], tl.float32)
         for j in range(TOPK):
-            e = (t * HKV + hk) * TOPK + j
-            used = ok & (tl.load(gid_ptr + e, mask=ok, other=-1) >= 0)
-            prow = e.to(tl.int64) * G + g
+            pos = tl.load(pos_ptr + (t * HKV + hk) * TOPK + j, mask=ok, other=-1)  # sorted position of the slot
+            used = pos >= 0
+            prow = pos.to(tl.int64) * G + g
             lj = tl.load(lpart_ptr + prow, mask=used, other=float("-inf"))
             oj = tl.load(opart_ptr + prow[:, None] * D + d[None, :], mask=used[:, None], other=0.0)
             m_new = tl.maximum(m, lj)
@@ -221,11 +369,12 @@ if triton is not None:
             m = m_new
         has = l > 0
         out = acc / tl.where(has, l, 1.0)[:, None]
-        drow = tl.load(dense_row_ptr + t, mask=ok, other=-1)
-        dense = drow >= 0  # such rows have no slots (l == 0)
-        x = tl.load(dense_ptr + (drow.to(tl.int64) * HQ + row % HQ)[:, None] * D + d[None, :], mask=dense[:, None],
-                    other=0.0)
-        out = tl.where(dense[:, None], x.to(tl.float32), out)
+        if HAS_DENSE:
+            drow = tl.load(dense_row_ptr + t, mask=ok, other=-1)
+            dense = drow >= 0  # such rows have no slots (l == 0)
+            x = tl.load(dense_ptr + (drow.to(tl.int64) * HQ + row % HQ)[:, None] * D + d[None, :],
+                        mask=dense[:, None], other=0.0)
+            out = tl.where(dense[:, None], x.to(tl.float32), out)
         tl.store(o_ptr + row.to(tl.int64)[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty), mask=ok[:, None])
         tl.store(lse_ptr + row, tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("inf")), mask=ok)
 
@@ -251,7 +400,7 @@ if triton is not None:
         dk = tl.zeros([BN, D], tl.float32)
         dv = tl.zeros([BN, D], tl.float32)
         for base in range(lo, hi, TM):
-            ok, tok, qrow, prow = _tile(ent_ptr, base, hi, h, HQ, HKV, G, TOPK, TM, BM)
+            ok, tok, qrow, r = _tile(ent_ptr, base, hi, h, HQ, HKV, G, TOPK, TM, BM)
             q = tl.load(q_ptr + qrow[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
             do = tl.load(do_ptr + qrow[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
             lse = tl.load(lse_ptr + qrow, mask=ok, other=float("inf"))
@@ -267,24 +416,24 @@ if triton is not None:
             if DQ_ATOMIC:
                 tl.atomic_add(dq_ptr + qrow[:, None] * D + d[None, :], dq, mask=ok[:, None], sem="relaxed")
             else:
-                tl.store(dq_ptr + (half * NE * G + prow)[:, None] * D + d[None, :], dq.to(dq_ptr.dtype.element_ty),
-                         mask=ok[:, None])
+                tile = dq_ptr + tl.cast(half * NE + base, tl.int64) * (G * D)
+                tl.store(tile + r[:, None] * D + d[None, :], dq.to(dq_ptr.dtype.element_ty), mask=ok[:, None])
         srow = (it.to(tl.int64) * 128 + half * BN + tl.arange(0, BN))[:, None] * D + d[None, :]
         tl.store(dks_ptr + srow, dk)
         tl.store(dvs_ptr + srow, dv)
 
     @triton.jit
-    def _reduce_dq(dqp_ptr, gid_ptr, dq_ptr, NROWS, NE, scale, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
+    def _reduce_dq(dqp_ptr, pos_ptr, dq_ptr, NROWS, NE, scale, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
                    TOPK: tl.constexpr, D: tl.constexpr, NH: tl.constexpr, R: tl.constexpr):
         # dQ of R rows: scale * the sum of their slots' partials (zeros for dense-prefix rows: no slots).
         row, ok, t, hk, g = _rows(NROWS, HQ, HKV, G, R)
         d = tl.arange(0, D)
         acc = tl.zeros([R, D], tl.float32)
         for j in range(TOPK):
-            e = (t * HKV + hk) * TOPK + j
-            used = ok & (tl.load(gid_ptr + e, mask=ok, other=-1) >= 0)
+            pos = tl.load(pos_ptr + (t * HKV + hk) * TOPK + j, mask=ok, other=-1)
+            used = pos >= 0
             for half in range(NH):
-                prow = half * NE * G + e.to(tl.int64) * G + g
+                prow = (half * NE + pos.to(tl.int64)) * G + g
                 acc += tl.load(dqp_ptr + prow[:, None] * D + d[None, :], mask=used[:, None], other=0.0).to(tl.float32)
         tl.store(dq_ptr + row.to(tl.int64)[:, None] * D + d[None, :], (acc * scale).to(dq_ptr.dtype.element_ty),
                  mask=ok[:, None])
@@ -338,16 +487,18 @@ class _BlockOuter(torch.autograd.Function):
         lse = torch.empty(t_count, hq, dtype=torch.float32, device=q.device)
         qk_scale = scale * math.log2(math.e)
         tm = _tokens(config.fwd_rows, g)
-        if plan.order.numel():
-            _fwd[(plan.order.numel(),)](
+        if plan.n_max:
+            _fwd[(plan.n_max,)](
                 q, k, v, opart, lpart, plan.entries, plan.order, plan.item_key, plan.item_lo, plan.item_hi,
                 plan.kstart, t_count, plan.nkb, qk_scale, HQ=hq, HKV=hkv, G=g, TOPK=topk, TM=tm, BM=_p2(tm * g), D=dim,
                 PREC=prec, num_warps=config.fwd_warps, num_stages=config.fwd_stages)
-        dense = dense_out.contiguous() if dense_out is not None else o
+        has_dense = dense_out is not None
+        dense = dense_out.contiguous() if has_dense else o
+        dense_row = plan.dense_row if has_dense else plan.slot_pos  # not read without a dense prefix
         rows, r = t_count * hq, config.row_tile
         if t_count:
-            _merge[(triton.cdiv(rows, r),)](opart, lpart, plan.slot_gid, plan.dense_row, dense, o, lse, rows, HQ=hq,
-                                            HKV=hkv, G=g, TOPK=topk, D=dim, R=r)
+            _merge[(triton.cdiv(rows, r),)](opart, lpart, plan.slot_pos, dense_row, dense, o, lse, rows, HQ=hq,
+                                            HKV=hkv, G=g, TOPK=topk, D=dim, R=r, HAS_DENSE=has_dense)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.plan, ctx.scale, ctx.config, ctx.has_dense = plan, scale, config, dense_out is not None
         return o
@@ -361,7 +512,7 @@ class _BlockOuter(torch.autograd.Function):
         hkv, topk = k.shape[1], plan.slot_gid.shape[2]
         g = hq // hkv
         prec = "ieee" if q.dtype == torch.float32 else "tf32"
-        ne, ni = t_count * hkv * topk, plan.item_key.numel()
+        ne, ni = t_count * hkv * topk, plan.n_max
         bn = config.bwd_keys
         nh = BLOCK // bn
         delta = torch.empty(t_count, hq, dtype=torch.float32, device=q.device)
@@ -385,7 +536,7 @@ class _BlockOuter(torch.autograd.Function):
         else:
             dq = torch.empty_like(q)
             if t_count:
-                _reduce_dq[(triton.cdiv(rows, r),)](dq_buf, plan.slot_gid, dq, rows, ne, scale, HQ=hq, HKV=hkv, G=g,
+                _reduce_dq[(triton.cdiv(rows, r),)](dq_buf, plan.slot_pos, dq, rows, ne, scale, HQ=hq, HKV=hkv, G=g,
                                                     TOPK=topk, D=dim, NH=nh, R=r)
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         if plan.nkb:

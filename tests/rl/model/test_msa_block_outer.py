@@ -44,8 +44,22 @@ def _case(lengths, hq, hkv, dim, topk, init=0, local=1, seed=0, **config):
     plan = mbo.build_plan(ids, cu, cfg)
     rel = lambda a, b: float((a - b).abs().max() / b.abs().max())  # noqa: E731
     return {"out": rel(out, ref), **{f"d{n}": rel(b, a) for n, a, b in zip("qkv", *grads)},
-            "items": plan.item_key.numel(), "keys": plan.nkb * hkv, "dense_tokens": plan.dense_idx.numel(),
-            "empty_kernel_slots": int(((ids < 0) & (plan.dense_row < 0)[:, None, None]).sum())}
+            "items": int((plan.item_hi > plan.item_lo).sum()), "keys": plan.nkb * hkv,
+            "dense_tokens": plan.dense_idx.numel(), "plan_mismatch": _plan_mismatch(ids, cu, cfg),
+            "empty_kernel_slots": int((ids < 0).sum((1, 2)).index_fill(0, plan.dense_idx, 0).sum())}
+
+
+def _plan_mismatch(ids, cu, cfg):
+    """Names of the tables where the Triton-built plan (interpreter) differs from the torch-built one."""
+    from rl.model import msa_block_outer as mbo
+
+    seq, kstart, kend, prefixes, nkb = mbo._host_tables(mbo.seq_bounds(cu), ids.shape[2], cfg)
+    seq_d = torch.tensor([x for row in seq for x in row], dtype=torch.int32)
+    n_max = ids.shape[1] * nkb + -(-ids.numel() // cfg.item_tokens)
+    names = ("slot_gid", "slot_pos", "entries", "item_key", "lo", "hi", "order", "key_item0")
+    pairs = zip(names, mbo._plan_triton(ids, seq_d, len(seq), nkb, n_max, cfg),
+                mbo._plan_torch(ids, seq_d, len(seq), nkb, n_max, cfg))
+    return [n for n, a, b in pairs if a.dtype != b.dtype or not torch.equal(a, b)]
 
 
 CASES = {  # name -> _case kwargs; tiny, as the interpreter runs every program in Python
@@ -55,7 +69,7 @@ CASES = {  # name -> _case kwargs; tiny, as the interpreter runs every program i
     "no_prefix_init_split": dict(lengths=[300, 100], hq=2, hkv=1, dim=16, topk=3, init=1, dense_prefix_min=0,
                                  item_tokens=16, fwd_rows=16, bwd_rows=8),
     "bwd_half_blocks": dict(lengths=[260], hq=2, hkv=1, dim=16, topk=2, dense_prefix_min=0, bwd_keys=64,
-                            item_tokens=64),
+                            item_tokens=64, order="size"),
     "atomic_dq_g3": dict(lengths=[200, 60], hq=6, hkv=2, dim=16, topk=2, dense_prefix_min=0, dq="atomic",
                          fwd_rows=12, bwd_rows=12),
 }
@@ -72,6 +86,7 @@ def test_block_outer_under_the_interpreter_matches_reference():
     for name, r in report.items():
         for key in ("out", "dq", "dk", "dv"):
             assert r[key] <= 1e-5, (name, key, r)
+        assert r["plan_mismatch"] == [], (name, r)
     # the cases reach what they are named for
     assert report["packed_dense_prefix"]["dense_tokens"] == 256 + 77 + 256
     assert report["no_prefix_init_split"]["empty_kernel_slots"] > 0  # -1 padding inside the kernels
@@ -89,12 +104,18 @@ def test_plan_groups_every_selection_once():
     assert sorted(ent.tolist()) == (plan.slot_gid.view(-1) >= 0).nonzero().squeeze(1).tolist()
     key = plan.item_key.long().repeat_interleave((plan.item_hi - plan.item_lo).long())
     assert torch.equal(key, (ent // topk) % hkv * plan.nkb + plan.slot_gid.view(-1)[ent].long())
+    pos = plan.slot_pos.reshape(-1).long()  # sorted position of each kernel slot (its partials' rows), -1 as gid
+    assert torch.equal(pos >= 0, plan.slot_gid.reshape(-1) >= 0)
+    assert torch.equal(plan.entries[pos[pos >= 0]].long(), (pos >= 0).nonzero().squeeze(1))
     assert (plan.item_hi - plan.item_lo).max() <= 16
     assert plan.dense_idx.tolist() == list(range(384)) + list(range(700, 700 + 300))
-    for order in ("size", "token"):  # launch orders are permutations of the items
+    n_items = int(plan.key_item0[-1])
+    assert n_items == int((plan.item_hi > plan.item_lo).sum()) <= plan.n_max == plan.item_key.numel()
+    assert (plan.item_hi[n_items:] == plan.item_lo[n_items:]).all()  # the rest: empty rows (host-known grid)
+    for order in ("size", "token"):  # launch orders are permutations of the rows, the real items first
         cfg = mbo.Config(item_tokens=16, dense_prefix_min=128, order=order)
-        assert sorted(mbo.build_plan(ids, cu, cfg).order.tolist()) == list(
-            range(plan.item_key.numel()))
+        launched = mbo.build_plan(ids, cu, cfg).order.tolist()
+        assert sorted(launched) == list(range(plan.n_max)) and sorted(launched[:n_items]) == list(range(n_items))
 
 
 def test_short_sequences_are_causal_sdpa():

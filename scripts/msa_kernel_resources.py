@@ -1,0 +1,83 @@
+"""Compile the block-outer MSA kernels (rl.model.msa_block_outer) for Hopper without a GPU; print registers, spills
+and shared memory per kernel as JSON (what METHOD.md calls the compiler's resource report; no device time).
+
+    PYTHONPATH=.venv/triton-interpret python scripts/msa_kernel_resources.py                # M3 shapes, the defaults
+    PYTHONPATH=.venv/triton-interpret python scripts/msa_kernel_resources.py --bwd-warps 4 --bwd-keys 64
+
+Needs a full Triton (the interpreter install of scripts/install/setup_env.sh is one: it carries ptxas and cuobjdump);
+no CUDA driver. "stack" is the per-thread local memory the compiler spilled to (0 = no spills).
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def compile_report(fn, types, constexprs, num_warps, num_stages, arch=90):
+    """Compile `fn` for sm_<arch>; registers / stack / static shared from cuobjdump, dynamic shared from Triton."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    src = ASTSource(fn, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps,
+                                                                               num_stages=num_stages))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    usage = next(line for line in out.splitlines() if "REG:" in line)
+    fields = dict(item.split(":") for item in usage.split() if ":" in item and item.split(":")[1].isdigit())
+    return {"kernel": fn.__name__, "warps": num_warps, "stages": num_stages, "registers": int(fields["REG"]),
+            "stack_bytes": int(fields["STACK"]), "shared_bytes": k.metadata.shared}
+
+
+def main():
+    from rl.model import msa_block_outer as mbo
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for f in dataclasses.fields(mbo.Config):
+        if f.type in ("int", int):
+            p.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default)
+    p.add_argument("--hq", type=int, default=64)
+    p.add_argument("--hkv", type=int, default=4)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--topk", type=int, default=16)
+    a = p.parse_args()
+    g = a.hq // a.hkv
+    shapes = dict(HQ=a.hq, HKV=a.hkv, G=g, TOPK=a.topk, D=a.dim)
+    i32 = {n: "*i32" for n in ("ent_ptr", "order_ptr", "key_ptr", "lo_ptr", "hi_ptr", "kstart_ptr", "seq_ptr",
+                               "gid_ptr", "key_item0_ptr", "item_key_ptr", "okey_ptr", "pos_ptr", "dense_row_ptr")}
+    bf16 = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "opart_ptr", "dq_ptr", "dqp_ptr", "o_ptr",
+                                 "dense_ptr")}
+    f32 = {n: "*fp32" for n in ("lpart_ptr", "lse_ptr", "delta_ptr", "dks_ptr", "dvs_ptr")}
+    types = {**i32, **bf16, **f32, "ids_ptr": "*i64", "order_ptr": "*i64", "idx_ptr": "*i64", "qk_scale": "fp32",
+             "scale": "fp32"}
+    ftm, btm = max(1, a.fwd_rows // g), max(1, a.bwd_rows // g)
+    p2 = lambda n: max(16, 1 << (n - 1).bit_length())  # noqa: E731
+    rows = [
+        compile_report(mbo._plan_keys, types, dict(HKV=a.hkv, TOPK=a.topk, BE=1024), 4, 3),
+        compile_report(mbo._plan_pos, types, dict(BE=1024), 4, 3),
+        compile_report(mbo._plan_items, types,
+                       dict(HKVTOPK=a.hkv * a.topk, SIZE_ORDER=False, CH=1024), 4, 3),
+        compile_report(mbo._fwd, types, dict(shapes, TM=ftm, BM=p2(ftm * g), PREC="tf32"), a.fwd_warps,
+                       a.fwd_stages),
+        compile_report(mbo._bwd, types, dict(shapes, TM=btm, BM=p2(btm * g), BN=a.bwd_keys, PREC="tf32",
+                                             DQ_ATOMIC=False), a.bwd_warps, a.bwd_stages),
+        compile_report(mbo._merge, types, dict(shapes, R=a.row_tile, HAS_DENSE=False), 4, 3),
+        compile_report(mbo._reduce_dq, types, dict(shapes, NH=128 // a.bwd_keys, R=a.row_tile), 4, 3),
+    ]
+    print(json.dumps({"command": " ".join(["python"] + sys.argv), "arch": "sm_90", "kernels": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
