@@ -43,6 +43,7 @@ def compile_report(fn, types, constexprs, num_warps, num_stages, arch=90):
 
 def main():
     from rl.model import msa_block_outer as mbo
+    from rl.model import msa_block_plan as mbp
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for f in dataclasses.fields(mbo.Config):
@@ -65,9 +66,9 @@ def main():
     ftm, btm = max(1, a.fwd_rows // g), max(1, a.bwd_rows // g)
     p2 = lambda n: max(16, 1 << (n - 1).bit_length())  # noqa: E731
     rows = [
-        compile_report(mbo._plan_keys, types, dict(HKV=a.hkv, TOPK=a.topk, BE=1024), 4, 3),
-        compile_report(mbo._plan_pos, types, dict(BE=1024), 4, 3),
-        compile_report(mbo._plan_items, types,
+        compile_report(mbp._plan_keys, types, dict(HKV=a.hkv, TOPK=a.topk, BE=1024), 4, 3),
+        compile_report(mbp._plan_pos, types, dict(BE=1024), 4, 3),
+        compile_report(mbp._plan_items, types,
                        dict(HKVTOPK=a.hkv * a.topk, SIZE_ORDER=False, CH=1024), 4, 3),
         compile_report(mbo._fwd, types, dict(shapes, TM=ftm, BM=p2(ftm * g), PREC="tf32"), a.fwd_warps,
                        a.fwd_stages),

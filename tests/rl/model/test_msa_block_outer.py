@@ -51,14 +51,15 @@ def _case(lengths, hq, hkv, dim, topk, init=0, local=1, seed=0, **config):
 
 def _plan_mismatch(ids, cu, cfg):
     """Names of the tables where the Triton-built plan (interpreter) differs from the torch-built one."""
-    from rl.model import msa_block_outer as mbo
+    from rl.model import msa_block_plan as mbp
+    from rl.model.packed import seq_bounds
 
-    seq, kstart, kend, prefixes, nkb = mbo._host_tables(mbo.seq_bounds(cu), ids.shape[2], cfg)
+    seq, kstart, kend, prefixes, nkb = mbp._host_tables(seq_bounds(cu), ids.shape[2], cfg)
     seq_d = torch.tensor([x for row in seq for x in row], dtype=torch.int32)
     n_max = ids.shape[1] * nkb + -(-ids.numel() // cfg.item_tokens)
     names = ("slot_gid", "slot_pos", "entries", "item_key", "lo", "hi", "order", "key_item0")
-    pairs = zip(names, mbo._plan_triton(ids, seq_d, len(seq), nkb, n_max, cfg),
-                mbo._plan_torch(ids, seq_d, len(seq), nkb, n_max, cfg))
+    pairs = zip(names, mbp._plan_triton(ids, seq_d, len(seq), nkb, n_max, cfg),
+                mbp._plan_torch(ids, seq_d, len(seq), nkb, n_max, cfg))
     return [n for n, a, b in pairs if a.dtype != b.dtype or not torch.equal(a, b)]
 
 

@@ -1,0 +1,257 @@
+"""The work plan of the block-outer MSA kernels (rl.model.msa_block_outer): which (token, KV head, slot) selections
+each program handles, built from block_ids without waiting for the device.
+
+Every selection is an *entry*; entries are grouped by (KV head, key block) with one stable sort and each group is cut
+into *items* of at most `Config.item_tokens` tokens (one program each). The number of items is only known on the
+device, so the item tables get a host-computed upper bound of rows (`Plan.n_max`); the rows past the real items are
+empty and launched last. On CUDA three small Triton kernels build the tables around the sort; without Triton (CPU)
+torch ops build the same tables (`_plan_torch`; the interpreter tests compare the two).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from m3.ops import MSA_BLOCK as BLOCK  # keys per program
+from rl.model.packed import seq_bounds
+
+try:  # module-level jit functions: Triton's interpreter resolves callees from module globals
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs: the torch plan
+    triton = None
+
+
+@dataclass(frozen=True)
+class Config:
+    """Tile shapes and launch parameters (scripts/bench_msa.py --sweep times alternatives)."""
+
+    # Defaults from the sweeps of results/gpu/run12 and run12c (64 q / 4 KV heads, d 128, top-16; 4K, 32K, 64K).
+    fwd_rows: int = 64  # rows per forward tile: rows // G tokens x their G query heads (4 tokens for M3)
+    fwd_warps: int = 4
+    fwd_stages: int = 3  # run12c, fwd: 11.5 vs 12.0 ms (2 stages) at 32K, 21.4 vs 22.6 at 64K
+    bwd_rows: int = 64
+    bwd_keys: int = 128  # keys per backward program (64: two programs per item, half the dK/dV registers)
+    bwd_warps: int = 8
+    bwd_stages: int = 2
+    part_dtype: str = "bf16"  # storage of partial outputs / dQ partials: "bf16" or "fp32"
+    dq: str = "partial"  # "partial" (per-entry partials, then a sum) or "atomic" (fp32 atomic adds)
+    item_tokens: int = 512  # entries per work item
+    # Prefix tokens per sequence from which SDPA takes the dense prefix; 0 = never. Off: the kernels take those
+    # tokens for less than SDPA plus gathering them (run12 sweep: 33.6 vs 34.9 ms at 32K, 5.1 vs 5.5 ms at 4K).
+    dense_prefix_min: int = 0
+    row_tile: int = 128  # rows per program of the row-wise kernels (merge, delta, dQ sum)
+    order: str = "token"  # launch order of work items: "size" (largest first) or "token" (by first token: programs
+    # running together read the same tokens' q/dO, which may then come from L2)
+
+
+DEFAULT = Config()
+
+
+@dataclass
+class Plan:
+    """Index tables for one (block_ids, cu_seqlens); built on the ids' device without a host sync.
+
+    The number of work items is only known on the device, so the item tables have a host-computable upper bound of
+    rows (`n_max`); rows past the real items are empty (lo == hi) and launched last: their programs do no work."""
+
+    entries: torch.Tensor  # [NE] int32 flat (token*Hkv + head)*topk + slot, grouped by (head, block), tokens ascending
+    item_key: torch.Tensor  # [n_max] int32 head*NKB + global block of each item (items in key order; 0 when empty)
+    item_lo: torch.Tensor  # [n_max] int32 range of the item in `entries` (lo == hi: an empty row)
+    item_hi: torch.Tensor
+    order: torch.Tensor  # [n_max] int64 launch order (Config.order), empty rows last
+    key_item0: torch.Tensor  # [Hkv*NKB + 1] int32 first item of each key
+    kstart: torch.Tensor  # [NKB] int32 packed index of each global block's first key
+    kend: torch.Tensor  # [NKB] int32 end of that block's sequence (keys past it belong to the next one)
+    slot_gid: torch.Tensor  # [T, Hkv, topk] int32 global block per slot; -1 empty or dense-prefix token
+    slot_pos: torch.Tensor  # [T, Hkv, topk] int32 position of the slot in `entries` (its partials' row / G); -1 as gid
+    dense_row: torch.Tensor | None  # [T] int32 row in the dense-prefix output, -1 for kernel tokens; None: no prefix
+    dense_idx: torch.Tensor  # [Tp] int64 tokens of the dense prefixes, in order
+    prefixes: list  # [(start, length)] SDPA calls, offsets into the packed tokens
+    nkb: int
+    n_max: int  # rows of the item tables: Hkv*NKB + ceil(NE / item_tokens) >= the number of items
+
+
+_EMPTY_KEY = 2 ** 31 - 1  # launch-order key of the empty item rows: after every real one
+
+
+def _host_tables(bounds, topk: int, config: Config):
+    """Per-sequence and per-block tables from the (host) sequence bounds, in plain Python: [start, base, plen] per
+    sequence, [kstart], [kend] per global block, the dense prefixes and the block count."""
+    seq, kstart, kend, prefixes, nkb = [], [], [], [], 0
+    for s, e in bounds:
+        nblk = (e - s + BLOCK - 1) // BLOCK
+        # Dense prefixes: positions < topk*128 select every visible block, i.e. causal attention over the prefix.
+        plen = min(e - s, topk * BLOCK)
+        plen = plen if config.dense_prefix_min > 0 and plen >= config.dense_prefix_min else 0
+        seq.append((s, nkb, plen))
+        kstart += range(s, s + BLOCK * nblk, BLOCK)
+        kend += [e] * nblk
+        if plen:
+            prefixes.append((s, plen))
+        nkb += nblk
+    return seq, kstart, kend, prefixes, nkb
+
+
+def build_plan(block_ids: torch.Tensor, cu_seqlens, config: Config = DEFAULT) -> Plan:
+    """The inverted lists, with no device->host sync (the plan is built inside every attention call; a sync there
+    drains the launch queue of the whole layer): host tables in Python, copied in one transfer; then, with Triton,
+    two kernels around one stable sort of the entries and one sort of the items (`_plan_keys`, `_plan_items`), and
+    without Triton (CPU) the same tables from torch ops (`_plan_torch`)."""
+    device = block_ids.device
+    t_count, hkv, topk = block_ids.shape
+    bounds = seq_bounds(cu_seqlens)
+    seq, kstart, kend, prefixes, nkb = _host_tables(bounds, topk, config)
+    nseq, ne = len(seq), t_count * hkv * topk
+    n_max = hkv * nkb + -(-ne // config.item_tokens)  # each key adds < 1 item to its share of ceil(NE / item_tokens)
+    host = torch.tensor([x for row in seq for x in row] + kstart + kend, dtype=torch.int32).to(device)
+    seq_d, kstart_d, kend_d = host.split([3 * nseq, nkb, nkb])
+    if triton is not None:
+        tables = _plan_triton(block_ids, seq_d, nseq, nkb, n_max, config)
+    else:
+        tables = _plan_torch(block_ids, seq_d, nseq, nkb, n_max, config)
+    gid, pos, entries, item_key, lo, hi, order, key_item0 = tables
+    dense_row, dense_idx = None, torch.empty(0, dtype=torch.int64, device=device)
+    if prefixes:
+        dense_idx = torch.cat([torch.arange(s, s + p) for s, p in prefixes]).to(device)
+        dense_row = torch.full((t_count,), -1, dtype=torch.int32, device=device)
+        dense_row[dense_idx] = torch.arange(len(dense_idx), dtype=torch.int32, device=device)
+    return Plan(entries, item_key, lo, hi, order, key_item0, kstart_d, kend_d, gid, pos, dense_row, dense_idx,
+                prefixes, nkb, n_max)
+
+
+def _plan_torch(block_ids, seq_d, nseq, nkb, n_max, config):
+    """`build_plan`'s device tables from torch ops (no Triton: CPU); the same tables as `_plan_triton`."""
+    device = block_ids.device
+    t_count, hkv, topk = block_ids.shape
+    start, base, plen = seq_d.view(nseq, 3).long().unbind(1)
+    tok = torch.arange(t_count, device=device)
+    sq = (tok[:, None] >= start[None, 1:]).sum(1)  # the last sequence starting at or before the token
+    dense = tok - start[sq] < plen[sq]
+    ids = block_ids.long()
+    gid = torch.where((ids >= 0) & ~dense[:, None, None], ids + base[sq][:, None, None], -1)
+    big = hkv * nkb  # sorts after every real key
+    head_base = (torch.arange(hkv, device=device) * nkb)[None, :, None]
+    key, entries = torch.sort(torch.where(gid >= 0, head_base + gid, big).reshape(-1), stable=True)  # by token
+    pos = torch.full((t_count * hkv * topk,), -1, dtype=torch.int32, device=device)
+    pos[entries] = torch.where(key < big, torch.arange(len(key), device=device), -1).to(torch.int32)
+    bounds_k = torch.searchsorted(key, torch.arange(big + 1, device=device))
+    per_key = (bounds_k[1:] - bounds_k[:-1] + config.item_tokens - 1) // config.item_tokens
+    key_item0 = F.pad(torch.cumsum(per_key, 0), (1, 0))
+    item_key = torch.repeat_interleave(torch.arange(big, device=device), per_key)
+    n_items = item_key.numel()
+    lo = bounds_k[item_key] + (torch.arange(n_items, device=device) - key_item0[item_key]) * config.item_tokens
+    hi = torch.minimum(lo + config.item_tokens, bounds_k[item_key + 1])
+    okey = entries[lo] // (hkv * topk) if config.order == "token" else lo - hi  # largest first: stable on -size
+    pad = lambda x, fill: F.pad(x, (0, n_max - n_items), value=fill).to(torch.int32)  # noqa: E731
+    order = torch.sort(pad(okey, _EMPTY_KEY), stable=True).indices
+    return (gid.to(torch.int32).contiguous(), pos.view(gid.shape), entries.to(torch.int32), pad(item_key, 0),
+            pad(lo, 0), pad(hi, 0), order, key_item0.to(torch.int32))
+
+
+def _plan_triton(block_ids, seq_d, nseq, nkb, n_max, config):
+    """`build_plan`'s device tables: `_plan_keys` (slot -> global block and sort key), a stable sort of the keys,
+    `_plan_items` (one program: per-key bounds by binary search, item rows, launch-order keys), a sort of those."""
+    device = block_ids.device
+    t_count, hkv, topk = block_ids.shape
+    ne = t_count * hkv * topk
+    gid = torch.empty(t_count, hkv, topk, dtype=torch.int32, device=device)
+    key = torch.empty(ne, dtype=torch.int32, device=device)
+    if ne:
+        _plan_keys[(triton.cdiv(ne, 1024),)](block_ids, seq_d, gid, key, ne, nseq, nkb, *block_ids.stride(),
+                                             HKV=hkv, TOPK=topk, BE=1024)
+    key, idx = torch.sort(key, stable=True)  # by token inside a key
+    # int32 entries (int64 ones cost the backward kernel register spills) and each slot's sorted position
+    entries = torch.empty(ne, dtype=torch.int32, device=device)
+    pos = torch.empty(t_count, hkv, topk, dtype=torch.int32, device=device)
+    if ne:
+        _plan_pos[(triton.cdiv(ne, 1024),)](key, idx, entries, pos, ne, hkv * nkb, BE=1024)
+    tabs = torch.empty(4 * n_max + hkv * nkb + 1, dtype=torch.int32, device=device)
+    item_key, lo, hi, okey, key_item0 = tabs.split([n_max] * 4 + [hkv * nkb + 1])
+    _plan_items[(1,)](key, entries, key_item0, item_key, lo, hi, okey, ne, max(ne, 1).bit_length(), hkv * nkb, n_max,
+                      config.item_tokens, HKVTOPK=hkv * topk, SIZE_ORDER=config.order == "size", CH=1024)
+    return gid, pos, entries, item_key, lo, hi, torch.sort(okey, stable=True).indices, key_item0
+
+
+if triton is not None:
+    @triton.jit
+    def _plan_keys(ids_ptr, seq_ptr, gid_ptr, key_ptr, NE, NSEQ, NKB, s0, s1, s2, HKV: tl.constexpr,
+                   TOPK: tl.constexpr, BE: tl.constexpr):
+        # BE slots (token, head, slot) in flat order: global block (-1: empty or dense-prefix token) and sort key
+        # head*NKB + block (HKV*NKB, after every real key, for the -1 slots).
+        e = tl.program_id(0) * BE + tl.arange(0, BE)
+        ok = e < NE
+        t = e // (HKV * TOPK)
+        h = (e // TOPK) % HKV
+        ids = tl.load(ids_ptr + t.to(tl.int64) * s0 + h * s1 + (e % TOPK) * s2, mask=ok, other=-1).to(tl.int32)
+        sq = tl.zeros([BE], tl.int32)
+        for s in range(1, NSEQ):  # the last sequence starting at or before the token (empty ones start there too)
+            sq += (t >= tl.load(seq_ptr + 3 * s)).to(tl.int32)
+        start = tl.load(seq_ptr + 3 * sq, mask=ok, other=0)
+        base = tl.load(seq_ptr + 3 * sq + 1, mask=ok, other=0)
+        plen = tl.load(seq_ptr + 3 * sq + 2, mask=ok, other=0)
+        gid = tl.where((ids >= 0) & (t - start >= plen), ids + base, -1)
+        tl.store(gid_ptr + e, gid, mask=ok)
+        tl.store(key_ptr + e, tl.where(gid >= 0, h * NKB + gid, HKV * NKB), mask=ok)
+
+    @triton.jit
+    def _plan_pos(key_ptr, idx_ptr, ent_ptr, pos_ptr, NE, BIG, BE: tl.constexpr):
+        # Sorted position s -> entry: int32 copy of the sort indices, and the inverse map (slot -> s, -1 for the slots
+        # sorted past every real key: empty or dense-prefix).
+        s = tl.program_id(0) * BE + tl.arange(0, BE)
+        ok = s < NE
+        e = tl.load(idx_ptr + s, mask=ok, other=0).to(tl.int32)
+        tl.store(ent_ptr + s, e, mask=ok)
+        tl.store(pos_ptr + e, tl.where(tl.load(key_ptr + s, mask=ok, other=BIG) < BIG, s, -1), mask=ok)
+
+    @triton.jit
+    def _lower_bound(sorted_ptr, n, x, steps):
+        # First index i in [0, n] with sorted[i] >= x, per lane (binary search; steps >= bit length of n).
+        lo = tl.zeros_like(x)
+        hi = tl.zeros_like(x) + n
+        for _ in range(steps):
+            active = lo < hi
+            mid = (lo + hi) // 2
+            below = tl.load(sorted_ptr + mid, mask=active, other=0) < x
+            lo = tl.where(active & below, mid + 1, lo)
+            hi = tl.where(active & ~below, mid, hi)
+        return lo
+
+    @triton.jit
+    def _plan_items(key_ptr, ent_ptr, key_item0_ptr, item_key_ptr, lo_ptr, hi_ptr, okey_ptr, NE, STEPS, NK, NMAX,
+                    ITEM, HKVTOPK: tl.constexpr, SIZE_ORDER: tl.constexpr, CH: tl.constexpr):
+        # One program: keys CH at a time, in order; each key's entries [lo_k, hi_k) become ceil(n / ITEM) items.
+        # Every address is written once (rows past the last item get the empty row), so no ordering is needed.
+        carry = 0
+        for c in range(0, NK, CH):
+            k = c + tl.arange(0, CH)
+            kok = k < NK
+            lo_k = _lower_bound(key_ptr, NE, k, STEPS)
+            hi_k = _lower_bound(key_ptr, NE, k + 1, STEPS)
+            n = tl.where(kok, (hi_k - lo_k + ITEM - 1) // ITEM, 0)
+            first = carry + tl.cumsum(n, 0) - n
+            tl.store(key_item0_ptr + k, first, mask=kok)
+            for j in range(tl.max(n, 0)):
+                m = j < n
+                lo = lo_k + j * ITEM
+                hi = tl.minimum(lo + ITEM, hi_k)
+                if SIZE_ORDER:
+                    okey = lo - hi  # largest first
+                else:
+                    okey = (tl.load(ent_ptr + lo, mask=m, other=0) // HKVTOPK).to(tl.int32)  # first token
+                tl.store(item_key_ptr + first + j, k, mask=m)
+                tl.store(lo_ptr + first + j, lo, mask=m)
+                tl.store(hi_ptr + first + j, hi, mask=m)
+                tl.store(okey_ptr + first + j, okey, mask=m)
+            carry += tl.sum(n, 0)
+        tl.store(key_item0_ptr + NK, carry)
+        for c in range(carry, NMAX, CH):
+            i = c + tl.arange(0, CH)
+            m = i < NMAX
+            tl.store(item_key_ptr + i, 0, mask=m)
+            tl.store(lo_ptr + i, 0, mask=m)
+            tl.store(hi_ptr + i, 0, mask=m)
+            tl.store(okey_ptr + i, 2147483647, mask=m)
