@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, also when loaded by path (tests)
 from vllm_source_index import (  # noqa: E402
     TRANSPARENT_DUNDERS,
-    Param,
+    Param,  # noqa: F401  (re-exported: tests build signatures through this module)
     call_problems,
     Signature,
     SourceIndex,

@@ -7,7 +7,6 @@ format). Tolerance for fp32: 1e-3 max |delta logprob| (measured ~1e-5).
 
 import numpy as np
 import pytest
-import torch
 
 from rollout.adapter_sync import AdapterError, adapter_checksum, pack_adapter
 from rollout.engine import ADAPTER_ID

@@ -12,15 +12,13 @@ once (e2m1*s*gs in fp32), which differs from the served form by fp32 rounding on
   reference, as for the unquantized bf16 engine (tests/rollout/test_engine_vs_reference.py).
 """
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from peft import LoraConfig, get_peft_model
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from m3.tiny import ensure_tiny_model
 from m3.weights import to_hf_state_dict

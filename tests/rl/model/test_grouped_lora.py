@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from quant.kernels.grouped import grouped_mm, grouped_mm_t
-from rl.model.lora import ExpertLoRA, LoRAConfig, grouped_lora_delta
+from rl.model.lora import ExpertLoRA, LoRAConfig
 
 COUNTS = [5, 0, 17, 1, 0, 9]  # rows per expert, two empty
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rl.model import ForwardStats, M3ForTraining, TrainerModelConfig
-from rl.model.lora import LoRAConfig, adapter_state_dict, lora_parameters, peft_config, save_adapter
+from rl.model.lora import adapter_state_dict, lora_parameters, peft_config, save_adapter
 from tests.rollout.engine_fixtures import LONG, SHORT, prompt_ids
 
 
