@@ -19,3 +19,16 @@ def math_data(tmp_path_factory):
     subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "scripts" / "make_data.py"), "--out",
                     str(out), "--layout", "dapo", "--n-train", "200", "--n-eval", "8"], check=True, capture_output=True)
     return out
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tmp_path_factory):
+    """The tiny M3's tokenizer (m3.tiny's BPE), built once, without building the model."""
+    from transformers import AutoTokenizer
+
+    from m3.tiny import build_tokenizer_files
+
+    d = tmp_path_factory.mktemp("tok")
+    for name, data in build_tokenizer_files():
+        (d / name).write_bytes(data)
+    return AutoTokenizer.from_pretrained(d)

@@ -193,18 +193,6 @@ def test_aime_2024_dedup_and_unknown_layout(tmp_path):
 
 # ---------------------------------------------------------------- tokenization
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from m3.tiny import build_tokenizer_files
-
-    d = tmp_path_factory.mktemp("tok")
-    for name, data in build_tokenizer_files():
-        (d / name).write_bytes(data)
-    return AutoTokenizer.from_pretrained(d)
-
-
 def test_prompt_token_ids_match_the_rendered_template(tokenizer):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 12 + 34?"}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

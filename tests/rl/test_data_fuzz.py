@@ -5,12 +5,9 @@ either loaded with each bad row counted (skip) or rejected with one error naming
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import AutoTokenizer
 
-from m3.tiny import ensure_tiny_model
 from rl.data import (
     SCHEMA_FIELDS,
     BadRowError,
@@ -55,11 +52,6 @@ def table(draw):
         fields.append(pa.field(name, typ))
         data[name] = draw(st.lists(values, min_size=n, max_size=n))
     return pa.table(data, schema=pa.schema(fields))
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(str(ensure_tiny_model(dtype="float32").vllm))
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

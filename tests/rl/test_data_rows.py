@@ -101,18 +101,6 @@ def test_duplicate_ids_and_dedup_counted_from_hashes(tmp_path):
     assert report.n_duplicate_ids == 3
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from m3.tiny import build_tokenizer_files
-
-    d = tmp_path_factory.mktemp("tok")
-    for name, data in build_tokenizer_files():
-        (d / name).write_bytes(data)
-    return AutoTokenizer.from_pretrained(d)
-
-
 def _mixed(n=10):
     """Rows 1, 4, 7: prompts far longer than the others."""
     return Rows.from_list([_row(i, "long " * 100 if i % 3 == 1 else None) for i in range(n)])

@@ -180,6 +180,20 @@ def adapter_bytes(run_dir, step=3) -> bytes:
     return (Path(run_dir) / "checkpoints" / f"step_{step:06d}" / "adapter" / "adapter_model.safetensors").read_bytes()
 
 
+def sigkill_after_checkpoint(cmd: list[str], env: dict, run_dir: Path, step: int, timeout: float) -> None:
+    """Start `cmd` (a training run writing to `run_dir`) and SIGKILL its whole process group once the checkpoint of
+    `step` exists (or the run ended, or `timeout` passed); that checkpoint must be there."""
+    ckpt = run_dir / "checkpoints" / f"step_{step:06d}"
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + timeout
+    while not ckpt.is_dir() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert ckpt.is_dir()
+
+
 def test_resume_after_sigkill_and_from_a_corrupt_checkpoint_matches_an_uninterrupted_run(tmp_path, model_dir):
     """SIGKILL after the second checkpoint, the same command again: the run finishes with the adapter bytes and the
     per-step metrics (timing aside) of a run never killed. Then the newest checkpoint's adapter is truncated and the
@@ -188,14 +202,7 @@ def test_resume_after_sigkill_and_from_a_corrupt_checkpoint_matches_an_uninterru
     full = tmp_path / "full"
     subprocess.run(_train_cmd(full, model_dir, 3), cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(_train_cmd(killed, model_dir, 3), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 600
-    while not (killed / "checkpoints" / "step_000002").is_dir() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert (killed / "checkpoints" / "step_000002").is_dir()
+    sigkill_after_checkpoint(_train_cmd(killed, model_dir, 3), env, killed, step=2, timeout=600)
     subprocess.run(_train_cmd(killed, model_dir, 3), cwd=ROOT, env=env, check=True, capture_output=True,
                    timeout=600)
     summary = json.loads((killed / "summary.json").read_text())

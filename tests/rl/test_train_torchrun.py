@@ -9,17 +9,15 @@ failed adapter sync stops both; neither hangs."""
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from m3.tiny import ensure_tiny_model
-from tests.rl.test_train import adapter_bytes, comparable_rows, fast_overrides
+from tests.rl.test_train import adapter_bytes, comparable_rows, fast_overrides, sigkill_after_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -105,15 +103,7 @@ def test_two_rank_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path):
     p = torchrun(args(tmp_path / "full"))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     killed = tmp_path / "killed"
-    cmd, env = torchrun_cmd(args(killed))
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    deadline = time.time() + 900
-    while not (killed / "checkpoints" / "step_000002").is_dir() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert (killed / "checkpoints" / "step_000002").is_dir()
+    sigkill_after_checkpoint(*torchrun_cmd(args(killed)), killed, step=2, timeout=900)
     assert {p.name for p in (killed / "checkpoints" / "step_000002" / "dcp").iterdir()} >= {
         ".metadata", "__0_0.distcp", "__1_0.distcp"}  # each rank wrote its shards
     p = torchrun(args(killed))
