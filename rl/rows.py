@@ -9,7 +9,7 @@ Supports what the callers of the loaders use: len(), rows[i], rows[a:b] (a view)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Callable
 
 import numpy as np
@@ -20,6 +20,12 @@ _READ_BATCH = 1024  # rows per gather when iterating: a batch of dicts at a time
 
 def _as_stored(record: dict, position: int) -> dict:
     return record
+
+
+def records(batch: dict) -> Iterator[dict]:
+    """A batch in `datasets`' python format ({column: [values]}) as one dict per record."""
+    names = list(batch)
+    return (dict(zip(names, values)) for values in zip(*batch.values()))
 
 
 class Rows(Sequence):
@@ -57,9 +63,8 @@ class Rows(Sequence):
         positions = self.positions[self._checked(indices)]
         if not len(positions):
             return []
-        batch = self.dataset[positions.tolist()]  # datasets' python format: {column: [values]}
-        names = list(batch)
-        return [self._to_row(dict(zip(names, values)), int(p)) for values, p in zip(zip(*batch.values()), positions)]
+        batch = self.dataset[positions.tolist()]  # one gather
+        return [self._to_row(record, int(p)) for record, p in zip(records(batch), positions)]
 
     def __iter__(self):
         for start in range(0, len(self), _READ_BATCH):
