@@ -112,18 +112,7 @@ def _unknown_or_incomplete(lora, adapter_manager) -> list[str]:
 
 def installed_checksum(adapter_manager, lora_id: int) -> str:
     """sha256 of the LoRA buffers this worker holds for `lora_id` (its slot of every wrapper's stacked weights)."""
-    slot = adapter_manager.lora_index_to_id.index(lora_id)
-    h = hashlib.sha256()
-    for name in sorted(adapter_manager.modules):
-        module = adapter_manager.modules[name]
-        for attr in ("lora_a_stacked", "lora_b_stacked", "w13_lora_a_stacked", "w13_lora_b_stacked",
-                     "w2_lora_a_stacked", "w2_lora_b_stacked"):
-            if attr in ("lora_a_stacked", "lora_b_stacked") and hasattr(module, "w13_lora_a_stacked"):
-                continue  # the MoE wrapper's lora_*_stacked lists are views of its w13/w2 buffers
-            for i, buf in enumerate(getattr(module, attr, None) or ()):
-                h.update(f"{name}|{attr}|{i}|".encode())
-                h.update(buf[slot].contiguous().view(torch.uint8).cpu().numpy().tobytes())
-    return h.hexdigest()
+    return adapter_checksum(installed_slots(adapter_manager, lora_id))
 
 
 class AdapterSyncExtension:

@@ -120,18 +120,18 @@ def expected_slots(peft: dict[str, torch.Tensor], rank: int, scaling: float, dty
     return out
 
 
-def _read_slots(adapter_manager, slot: int, rank: int) -> tuple[dict[str, torch.Tensor], list[tuple]]:
-    """The views of `slot` in every LoRA buffer, trimmed to `rank`, and (module, attr, index, buffer) for each
-    buffer they view."""
+def _read_slots(adapter_manager, slot: int, rank: int | None) -> tuple[dict[str, torch.Tensor], list[tuple]]:
+    """The views of `slot` in every LoRA buffer, trimmed to `rank` (None: whole, up to the engine's max rank), and
+    (module, attr, index, buffer) for each buffer they view."""
     out, sources = {}, []
     for name in sorted(adapter_manager.modules):
         module, key = adapter_manager.modules[name], name.removeprefix(_VL_PREFIX)
         if hasattr(module, "w13_lora_a_stacked"):  # routed experts (its lora_*_stacked are views of these)
             for attr in _EXPERTS:
-                stacked = getattr(module, attr)[0]
-                buf = stacked[slot]  # [E, r, in] (A) or [E, out, r] (B)
-                out[f"{key}|{attr}|0"] = buf[:, :rank] if "_a_" in attr else buf[..., :rank]
-                sources.append((module, attr, 0, stacked))
+                for i, stacked in enumerate(getattr(module, attr)):  # one each for M3's 3D experts
+                    buf = stacked[slot]  # [E, r, in] (A) or [E, out, r] (B)
+                    out[f"{key}|{attr}|{i}"] = buf[:, :rank] if "_a_" in attr else buf[..., :rank]
+                    sources.append((module, attr, i, stacked))
             continue
         for attr in _LINEAR:
             for i, stacked in enumerate(getattr(module, attr, None) or ()):
@@ -141,8 +141,8 @@ def _read_slots(adapter_manager, slot: int, rank: int) -> tuple[dict[str, torch.
     return out, sources
 
 
-def installed_slots(adapter_manager, lora_id: int, rank: int) -> dict[str, torch.Tensor]:
-    """The slices of every LoRA buffer this worker holds for `lora_id`, trimmed to the adapter's rank."""
+def installed_slots(adapter_manager, lora_id: int, rank: int | None = None) -> dict[str, torch.Tensor]:
+    """The slices of every LoRA buffer this worker holds for `lora_id`, trimmed to the adapter's rank (None: whole)."""
     return _read_slots(adapter_manager, adapter_manager.lora_index_to_id.index(lora_id), rank)[0]
 
 
