@@ -12,9 +12,9 @@ ROOT = Path(__file__).resolve().parents[1]
 INTERPRETER_SITE = ROOT / ".venv" / "triton-interpret"
 
 
-def run_under_interpreter(test_file: str) -> dict:
+def run_under_interpreter(test_file: str, *args: str) -> dict:
     assert (INTERPRETER_SITE / "triton").is_dir(), f"{INTERPRETER_SITE} missing: run scripts/install/setup_env.sh"
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(INTERPRETER_SITE), str(ROOT)]))
-    p = subprocess.run([sys.executable, test_file], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    p = subprocess.run([sys.executable, test_file, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])

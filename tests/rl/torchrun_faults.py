@@ -1,7 +1,9 @@
-"""Run by tests/rl/test_train_torchrun.py under torchrun: `rl.train`'s run with one fault injected on rank 1 only.
+"""Run by tests/rl/test_train_torchrun.py under torchrun: `rl.train`'s run with faults injected on rank 1 only,
+given as a comma-separated list:
 
   nonfinite_loss  rank 1's second loss is NaN (its share of step 2)
-  sync            rank 1's engine fails to install the adapter at step 1's sync
+  sync:N          rank 1's engine fails to install the adapter at its N-th install (1: rl.check's at the start,
+                  then one per step that was not skipped)
 """
 
 import sys
@@ -13,6 +15,7 @@ from tests.rl.test_train import compose_cfg
 
 def inject(s: Session, fault: str) -> None:
     calls = [0]
+    fault, _, arg = fault.partition(":")
     if fault == "nonfinite_loss":
         real = train.policy_loss
 
@@ -26,8 +29,8 @@ def inject(s: Session, fault: str) -> None:
         real = s.engine.load_adapter
 
         def load_adapter(*args, **kwargs):
-            calls[0] += 1  # 1: the run's first sync, 2: rl.check's, 3: step 1's
-            if calls[0] == 3:
+            calls[0] += 1
+            if calls[0] == int(arg):
                 raise RuntimeError("injected: the engine worker died while installing the adapter")
             return real(*args, **kwargs)
 
@@ -37,8 +40,9 @@ def inject(s: Session, fault: str) -> None:
 
 
 if __name__ == "__main__":
-    fault, *overrides = sys.argv[1:]
+    faults, *overrides = sys.argv[1:]
     with Session(compose_cfg(overrides)) as session:
         if session.rank == 1:
-            inject(session, fault)
+            for fault in faults.split(","):
+                inject(session, fault)
         train.run(session)
