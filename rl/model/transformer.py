@@ -18,10 +18,11 @@ from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMa
 from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLRMSNorm
 
 from m3.config import DTYPES
-from m3.ops import neox_rope, swigluoai_uninterleave
+from m3.ops import swigluoai_uninterleave
 from quant.kernels import nvfp4_moe_linear, sort_by_expert
 from quant.kv_cache import nvfp4_kv_qdq
 from rl.model import msa
+from rl.model.lean import fp32_linear, fused_add_norm, norm_rope
 from rl.model.lora import ExpertLoRA, LoRAConfig
 from rl.model.options import AttentionImpl, Base, DType, IndexerKVDType, KVCacheDType, MoEImpl, Profile, check_choice
 from rl.model.packed import token_positions
@@ -42,7 +43,8 @@ class TrainerModelConfig:
     attention_impl: str = "auto"  # MSA: "reference" (CPU), "block" / "triton" / "flex" (GPU), "auto"
     moe_impl: str = "auto"  # routed experts: "loop" (per expert), "grouped" (CUDA bf16: Triton NVFP4 / _grouped_mm)
     activation_checkpointing: bool = False  # recompute each decoder layer in backward (long sequences)
-    moe_chunk_tokens: int = 0  # > 0: routed experts in token chunks, each recomputed in backward (less memory)
+    moe_chunk_tokens: int = 0  # > 0: routed experts in expert groups of ~this many tokens x top_k rows, each
+    # recomputed in backward (less memory)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def validate(self) -> None:
@@ -72,13 +74,6 @@ def _norm(norm: MiniMaxM3VLRMSNorm, x: torch.Tensor) -> torch.Tensor:
     return norm(x)
 
 
-def fused_add_norm(norm: MiniMaxM3VLRMSNorm, x: torch.Tensor, residual: torch.Tensor):
-    """vLLM's fused add + Gemma norm: the residual is stored in the activation dtype, the norm reads the fp32 sum."""
-    total = x.float() + residual.float()
-    normed = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + norm.eps) * (1.0 + norm.weight.float())
-    return normed.to(x.dtype), total.to(x.dtype)
-
-
 class Rotary(nn.Module):
     """vLLM's cos/sin cache: fp32 angles, cast to the model dtype, then applied in fp32 (NeoX, partial)."""
 
@@ -93,10 +88,6 @@ class Rotary(nn.Module):
     def cos_sin(self, positions: torch.Tensor) -> torch.Tensor:
         freqs = positions.float()[:, None] * self.inv_freq[None, :].to(positions.device)
         return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(self.dtype)
-
-
-def norm_rope(norm: MiniMaxM3VLRMSNorm, x: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
-    return neox_rope(norm(x), cos_sin, rotary_dim)  # the norm is stored in the activation dtype before RoPE
 
 
 class Indexer(nn.Module):
@@ -134,15 +125,18 @@ class Attention(nn.Module):
             k, v = nvfp4_kv_qdq(k), nvfp4_kv_qdq(v)
         own = agreement = replayed = None
         if self.indexer is not None:
-            ix = self.indexer
-            iq = norm_rope(ix.q_norm, ix.q_proj(x).view(t, ix.heads, ix.dim), cos_sin, rotary_dim)
-            ik = norm_rope(ix.k_norm, ix.k_proj(x).view(t, 1, ix.dim), cos_sin, rotary_dim)[:, 0]
-            ik = ik.to(torch.bfloat16)  # vLLM's index cache is bf16 even in fp32 models
-            if self.index_nvfp4:
-                ik = nvfp4_kv_qdq(ik)
+            # No graph: the indexer only picks blocks (a discrete top-k), so its LoRA gets no gradient from a token
+            # loss either way, and its activations would be held for nothing until the layer returns.
             with torch.no_grad():
+                ix = self.indexer
+                iq = norm_rope(ix.q_norm, ix.q_proj(x).view(t, ix.heads, ix.dim), cos_sin, rotary_dim)
+                ik = norm_rope(ix.k_norm, ix.k_proj(x).view(t, 1, ix.dim), cos_sin, rotary_dim)[:, 0]
+                ik = ik.to(torch.bfloat16)  # vLLM's index cache is bf16 even in fp32 models
+                if self.index_nvfp4:
+                    ik = nvfp4_kv_qdq(ik)
                 own = msa.select_blocks(iq, ik, cu_seqlens, self.sparse["topk"], self.sparse["init"],
                                         self.sparse["local"])
+                del iq, ik
             blocks = own
             if replay_blocks is not None:
                 msa.validate_block_ids(replay_blocks, cu_seqlens, num_heads=self.kv_heads)
@@ -204,17 +198,13 @@ class MoE(nn.Module):
 
     def forward(self, x, replay_ids=None, recompute=False):
         """recompute: this MoE is the layer's own recompute unit (DecoderLayer.forward's checkpoint_parts): the
-        routed experts (in token chunks) and the shared expert are rebuilt in backward here, not by a layer-wide
+        routed experts (in expert groups) and the shared expert are rebuilt in backward here, not by a layer-wide
         checkpoint around them."""
-        logits = x.float() @ self.gate.t()  # GateLinear: fp32 weights and output
+        logits = fp32_linear(x, self.gate)  # GateLinear: fp32 weights and output
         weights, ids, own = route(logits, self.bias, self.top_k, self.scaling, replay_ids)
         chunk = self.chunk_tokens
         if torch.is_grad_enabled() and (recompute or (chunk and x.shape[0] > chunk)):
-            # Each chunk's expert activations are rebuilt in backward, so a long batch holds one chunk's at a time.
-            step = chunk or x.shape[0]
-            routed = torch.cat([torch.utils.checkpoint.checkpoint(self._routed, x[a:a + step], weights[a:a + step],
-                                                                  ids[a:a + step], use_reentrant=False)
-                                for a in range(0, x.shape[0], step)])
+            routed = self._routed_in_groups(x, weights, ids, chunk * self.top_k if chunk else ids.numel())
         else:
             routed = self._routed(x, weights, ids)
         if recompute and torch.is_grad_enabled():
@@ -225,52 +215,84 @@ class MoE(nn.Module):
 
     def _routed(self, x, weights, ids):
         """The routed experts' weighted sum, in x's dtype (vLLM: fp32 sum of the scaled expert outputs)."""
-        if self._use_grouped(x):
-            return self._grouped(x, weights, ids)
-        rows, toks, slots = [], [], []
-        lora = getattr(self.experts, "lora", None)
-        for e in torch.unique(ids).tolist():
-            tok, slot = (ids == e).nonzero(as_tuple=True)
-            xe = x[tok]
-            gate_up = self.experts.gate_up(xe, e)
-            if lora is not None:
-                gate_up = gate_up + lora.gate_up(xe, e)
-            act = swigluoai_uninterleave(gate_up, self.alpha, self.limit, self.beta)
-            y = self.experts.down(act, e)
-            if lora is not None:
-                y = y + lora.down(act, e)
-            rows.append(y)
-            toks.append(tok)
-            slots.append(slot)
-        if not rows:  # no tokens
-            return torch.zeros_like(x)
-        tok = torch.cat(toks)
-        return weighted_sum(torch.cat(rows), weights[tok, torch.cat(slots)], tok, x.shape[0]).to(x.dtype)
-
-    def _grouped(self, x, weights, ids):
-        """GPU path: all routed experts in two grouped GEMMs, tokens sorted by expert: NVFP4 (quant.kernels, the
-        same serving form as the per-expert loop) or, for the bf16 base, torch._grouped_mm. Expert LoRA in grouped
-        GEMMs over the same offsets (rl.model.lora.grouped_lora_delta)."""
-        e = self.experts
         order, offsets = sort_by_expert(ids, self.num_experts)
         tok = order // self.top_k
-        xs = x[tok]
+        y = self._experts(x[tok], offsets, 0, self.num_experts)
+        return weighted_sum(y, weights.reshape(-1)[order], tok, x.shape[0]).to(x.dtype)
+
+    def _routed_in_groups(self, x, weights, ids, max_rows):
+        """_routed by groups of consecutive experts of about max_rows rows each, each group recomputed in backward:
+        a long batch holds one group's expert activations at a time. Groups of experts rather than of tokens: each
+        expert sees all its rows of the batch in one call, so the NVFP4 experts decode their weights once per pass
+        and run large GEMMs (token chunks gave each expert 1/n of its rows per call, where the NVFP4 path is
+        slowest: results/gpu/issue19_targets.json)."""
+        order, offsets = sort_by_expert(ids, self.num_experts)
+        bounds = offsets.tolist()  # one host sync per layer pass: the group boundaries
+        tok = order // self.top_k
+        w = weights.reshape(-1)[order]
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e0, e1 in expert_groups(bounds, max_rows):
+            lo, hi = bounds[e0], bounds[e1]
+            part = torch.utils.checkpoint.checkpoint(self._group, x, tok[lo:hi], w[lo:hi], offsets[e0:e1 + 1] - lo,
+                                                     e0, e1, use_reentrant=False)
+            out.index_add_(0, tok[lo:hi], part)  # the fp32 weighted sum, as weighted_sum's
+        return out.to(x.dtype)
+
+    def _group(self, x, tok, w, offsets, e0, e1):
+        return self._experts(x[tok], offsets, e0, e1).float() * w[:, None]
+
+    def _experts(self, xs, offsets, e0, e1):
+        """Experts e0..e1-1 on their rows xs (sorted by expert, expert e0+i's at offsets[i]:offsets[i+1]): on CUDA in
+        bf16 two grouped GEMMs, NVFP4 (quant.kernels, the same serving form as the per-expert loop) or, for the bf16
+        base, torch._grouped_mm, with expert LoRA in grouped GEMMs over the same offsets
+        (rl.model.lora.grouped_lora_delta); elsewhere per expert."""
+        e, lora, sel = self.experts, getattr(self.experts, "lora", None), slice(e0, e1)
+        if not self._use_grouped(xs):
+            return self._per_expert(xs, offsets.tolist(), e0, e1, lora)
         if e.quantized:
             def linear(inp, name):
-                return nvfp4_moe_linear(inp, e.packed(name), getattr(e, f"{name}_scale"),
-                                        getattr(e, f"{name}_gs"), offsets)
+                return nvfp4_moe_linear(inp, e.packed(name)[sel], getattr(e, f"{name}_scale")[sel],
+                                        getattr(e, f"{name}_gs")[sel], offsets)
         else:
             def linear(inp, name):
-                return torch._grouped_mm(inp, getattr(e, name).transpose(1, 2), offs=offsets[1:])
+                return torch._grouped_mm(inp, getattr(e, name)[sel].transpose(1, 2), offs=offsets[1:])
         gate_up = linear(xs, "w13")
-        lora = getattr(e, "lora", None)
         if lora is not None:
-            gate_up = gate_up + lora.gate_up_grouped(xs, offsets)
+            gate_up = gate_up + lora.gate_up_grouped(xs, offsets, experts=sel)
         act = swigluoai_uninterleave(gate_up, self.alpha, self.limit, self.beta)
         y = linear(act, "w2")
         if lora is not None:
-            y = y + lora.down_grouped(act, offsets)
-        return weighted_sum(y, weights.reshape(-1)[order], tok, x.shape[0]).to(x.dtype)
+            y = y + lora.down_grouped(act, offsets, experts=sel)
+        return y
+
+    def _per_expert(self, xs, bounds, e0, e1, lora):
+        rows = []
+        for i in range(e1 - e0):
+            a, b = bounds[i], bounds[i + 1]
+            if b == a:
+                continue
+            xe = xs[a:b]
+            gate_up = self.experts.gate_up(xe, e0 + i)
+            if lora is not None:
+                gate_up = gate_up + lora.gate_up(xe, e0 + i)
+            act = swigluoai_uninterleave(gate_up, self.alpha, self.limit, self.beta)
+            y = self.experts.down(act, e0 + i)
+            if lora is not None:
+                y = y + lora.down(act, e0 + i)
+            rows.append(y)
+        return torch.cat(rows) if rows else xs.new_zeros(0, xs.shape[1])
+
+
+def expert_groups(bounds: list[int], max_rows: int) -> list[tuple[int, int]]:
+    """Ranges [e0, e1) of consecutive experts with rows (bounds: host offsets [E+1]) of at most max_rows rows each;
+    an expert with more rows is a range of its own."""
+    groups, e0 = [], 0
+    for e in range(1, len(bounds)):
+        if bounds[e] - bounds[e0] > max_rows and e - 1 > e0:
+            groups.append((e0, e - 1))
+            e0 = e - 1
+    groups.append((e0, len(bounds) - 1))
+    return [(a, b) for a, b in groups if bounds[b] > bounds[a]]
 
 
 class _WeightedSum(torch.autograd.Function):

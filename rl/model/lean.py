@@ -1,0 +1,126 @@
+"""Memory-lean autograd functions for the trainer's per-token fp32 math: the same forward values as the plain torch
+expressions they replace, computed in row chunks, saving only activation-dtype inputs (and per-row scalars) for
+backward, which recomputes the fp32 intermediates chunk by chunk.
+
+Why: autograd on `x.float() ...` keeps fp32 copies of [T, H] activations (4 B per element) and runs every fp32
+intermediate at full T. At 8 x 16K tokens of M3 one fp32 [T, 6144] tensor is 3.2 GB and [T, 8192] 4.3 GB; the fused
+add-norms, q/k norm + RoPE, LoRA shrinks and the router held ~20 of them at once in one layer's backward
+(results/gpu/issue19_targets.json). Gradients follow the same rounding points as autograd's (casts to the activation
+dtype where the forward casts), with fp32 sums in another order.
+"""
+
+import torch
+
+ROWS = 8192  # rows per chunk: an fp32 [8192, 8192] intermediate is 256 MB
+
+
+def row_chunks(n: int):
+    return ((a, min(a + ROWS, n)) for a in range(0, n, ROWS))
+
+
+def _rms(xf: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _rms_backward(g: torch.Tensor, xf: torch.Tensor, rs: torch.Tensor) -> torch.Tensor:
+    """d/dxf of xf * rs(xf) given the gradient g of that product (rs = rsqrt(mean(xf^2) + eps))."""
+    return g * rs - xf * (rs.pow(3) * (g * xf).mean(-1, keepdim=True))
+
+
+class _AddNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, w1, eps):  # noqa: D102
+        normed, res = torch.empty_like(x), torch.empty_like(x)
+        rs = torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
+        for a, b in row_chunks(x.shape[0]):
+            total = x[a:b].float() + residual[a:b].float()
+            rs[a:b] = _rms(total, eps)
+            normed[a:b] = total * rs[a:b] * w1
+            res[a:b] = total
+        ctx.save_for_backward(x, residual, w1, rs)
+        return normed, res
+
+    @staticmethod
+    def backward(ctx, g_normed, g_res):  # noqa: D102
+        x, residual, w1, rs = ctx.saved_tensors
+        gx = torch.empty_like(x)
+        for a, b in row_chunks(x.shape[0]):
+            total = x[a:b].float() + residual[a:b].float()
+            g = _rms_backward(g_normed[a:b].float() * w1, total, rs[a:b]) if g_normed is not None else 0.0
+            if g_res is not None:
+                g = g + g_res[a:b].float()
+            gx[a:b] = g
+        return gx, gx.to(residual.dtype), None, None
+
+
+def fused_add_norm(norm, x: torch.Tensor, residual: torch.Tensor):
+    """vLLM's fused add + Gemma norm: the residual is stored in the activation dtype, the norm reads the fp32 sum.
+    Returns (normed, residual), both in x's dtype."""
+    return _AddNorm.apply(x, residual, 1.0 + norm.weight.float(), norm.eps)
+
+
+def _rope(xf, cos, sin, half, rot, sign):
+    """NeoX rotation of the first `rot` channels of fp32 xf [N, heads, D]; sign -1 applies the inverse (transpose)."""
+    x1, x2 = xf[..., :half], xf[..., half:rot]
+    s = sin * sign
+    return torch.cat([x1 * cos - x2 * s, x2 * cos + x1 * s, xf[..., rot:]], dim=-1)
+
+
+class _NormRope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w1, eps, cos_sin, rot):  # noqa: D102
+        out = torch.empty_like(x)
+        rs = torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
+        half = rot // 2
+        for a, b in row_chunks(x.shape[0]):
+            xf = x[a:b].float()
+            rs[a:b] = _rms(xf, eps)
+            normed = (xf * rs[a:b] * w1).to(x.dtype)  # the norm's output is stored in the activation dtype
+            cos, sin = cos_sin[a:b, None, :half].float(), cos_sin[a:b, None, half:rot].float()
+            out[a:b] = _rope(normed.float(), cos, sin, half, rot, 1.0)
+        ctx.save_for_backward(x, w1, cos_sin, rs)
+        ctx.eps, ctx.rot = eps, rot
+        return out
+
+    @staticmethod
+    def backward(ctx, g_out):  # noqa: D102
+        x, w1, cos_sin, rs = ctx.saved_tensors
+        half, rot = ctx.rot // 2, ctx.rot
+        gx = torch.empty_like(x)
+        for a, b in row_chunks(x.shape[0]):
+            cos, sin = cos_sin[a:b, None, :half].float(), cos_sin[a:b, None, half:rot].float()
+            g_normed = _rope(g_out[a:b].float(), cos, sin, half, rot, -1.0).to(x.dtype)
+            gx[a:b] = _rms_backward(g_normed.float() * w1, x[a:b].float(), rs[a:b])
+        return gx, None, None, None, None
+
+
+def norm_rope(norm, x: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """Gemma norm over the last dim of x [N, heads, D], stored in x's dtype, then partial NeoX RoPE in fp32
+    (m3.ops.neox_rope): vLLM's q/k norm + RoPE. cos_sin [N, rotary_dim] in the model dtype."""
+    return _NormRope.apply(x, 1.0 + norm.weight.float(), norm.eps, cos_sin, rotary_dim)
+
+
+class _Fp32Rows(torch.autograd.Function):
+    """fp32(x) @ w^T for a frozen fp32 w (the router's GateLinear), saving nothing of x."""
+
+    @staticmethod
+    def forward(ctx, x, w):  # noqa: D102
+        out = torch.empty(*x.shape[:-1], w.shape[0], dtype=torch.float32, device=x.device)
+        for a, b in row_chunks(x.shape[0]):
+            out[a:b] = x[a:b].float() @ w.t()
+        ctx.save_for_backward(w)
+        ctx.dtype = x.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: D102
+        (w,) = ctx.saved_tensors
+        gx = torch.empty(*g.shape[:-1], w.shape[1], dtype=ctx.dtype, device=g.device)
+        for a, b in row_chunks(g.shape[0]):
+            gx[a:b] = g[a:b] @ w
+        return gx, None
+
+
+def fp32_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [N, in] (any float dtype) @ frozen fp32 w [out, in]^T in fp32: [N, out]."""
+    return _Fp32Rows.apply(x, w)
