@@ -124,3 +124,60 @@ class _Fp32Rows(torch.autograd.Function):
 def fp32_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [N, in] (any float dtype) @ frozen fp32 w [out, in]^T in fp32: [N, out]."""
     return _Fp32Rows.apply(x, w)
+
+
+class _AddRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, index, src):  # noqa: D102
+        ctx.mark_dirty(out)
+        ctx.save_for_backward(index)
+        return out.index_add_(0, index, src)
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: D102
+        (index,) = ctx.saved_tensors
+        return g, None, g.index_select(0, index)
+
+
+def add_rows_(out: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """out.index_add_(0, index, src), keeping only the index for backward: autograd's index_add_ also keeps src
+    (for its shape), which for the routed experts' weighted rows is fp32 [T * top_k, H], 13 GB per M3 layer at 131K
+    tokens."""
+    return _AddRows.apply(out, index, src)
+
+
+LOGIT_ROWS = 1024  # rows per logits chunk: fp32 [1024, vocab] is 0.8 GB for M3
+
+
+class _LMHeadLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, w, targets):  # noqa: D102
+        out = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        lse = torch.empty_like(out)
+        for a in range(0, h.shape[0], LOGIT_ROWS):
+            b, t = a + LOGIT_ROWS, targets[a:a + LOGIT_ROWS, None]
+            logits = (h[a:b] @ w.t()).float()
+            out[a:b] = logits.log_softmax(-1).gather(1, t)[:, 0]
+            lse[a:b] = logits.gather(1, t)[:, 0] - out[a:b]  # the log-sum-exp log_softmax used, for backward
+        ctx.save_for_backward(h, w, targets, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: D102
+        h, w, targets, lse = ctx.saved_tensors
+        gh = torch.empty_like(h)
+        for a in range(0, h.shape[0], LOGIT_ROWS):
+            b = a + LOGIT_ROWS
+            # d lp[t] / d logits = onehot(t) - softmax, cast to the logits' dtype as autograd's .float() backward does
+            p = (h[a:b] @ w.t()).float().sub_(lse[a:b, None]).exp_().mul_(-g[a:b, None])
+            p.scatter_add_(1, targets[a:b, None], g[a:b, None].float())
+            gh[a:b] = p.to(h.dtype) @ w
+        return gh, None, None
+
+
+def lm_head_logprobs(h: torch.Tensor, lm_head: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log_softmax(fp32(h @ lm_head^T))[targets] per row (vLLM's logprobs: the logits GEMM in the model dtype, the
+    softmax in fp32), chunked over rows; fp32 [rows]. Keeps h and the log-sum-exp for backward, which recomputes the
+    logits GEMM and forms softmax - onehot in one pass: autograd (under activation checkpointing) ran log_softmax
+    and gather twice and their backward over fp32 [rows, vocab], and without it kept every chunk's logits."""
+    return _LMHeadLogprobs.apply(h, lm_head, targets)

@@ -22,7 +22,7 @@ from m3.ops import swigluoai_uninterleave
 from quant.kernels import nvfp4_moe_linear, sort_by_expert
 from quant.kv_cache import nvfp4_kv_qdq
 from rl.model import msa
-from rl.model.lean import fp32_linear, fused_add_norm, norm_rope
+from rl.model.lean import add_rows_, fp32_linear, fused_add_norm, lm_head_logprobs, norm_rope
 from rl.model.lora import ExpertLoRA, LoRAConfig
 from rl.model.options import AttentionImpl, Base, DType, IndexerKVDType, KVCacheDType, MoEImpl, Profile, check_choice
 from rl.model.packed import token_positions
@@ -235,7 +235,7 @@ class MoE(nn.Module):
             lo, hi = bounds[e0], bounds[e1]
             part = torch.utils.checkpoint.checkpoint(self._group, x, tok[lo:hi], w[lo:hi], offsets[e0:e1 + 1] - lo,
                                                      e0, e1, use_reentrant=False)
-            out.index_add_(0, tok[lo:hi], part)  # the fp32 weighted sum, as weighted_sum's
+            out = add_rows_(out, tok[lo:hi], part)  # the fp32 weighted sum, as weighted_sum's
         return out.to(x.dtype)
 
     def _group(self, x, tok, w, offsets, e0, e1):
@@ -462,17 +462,4 @@ class M3ForTraining(nn.Module):
 
     def token_logprobs(self, input_ids, cu_seqlens, targets, **kw) -> torch.Tensor:
         """log p(targets[t] | tokens <= t) for every packed position t, fp32 [T] (chunked over the vocab GEMM)."""
-        h = self.hidden_states(input_ids, cu_seqlens, **kw)
-        recompute = self.mcfg.activation_checkpointing and torch.is_grad_enabled()
-        out = []
-        for c in range(0, h.shape[0], 1024):
-            args = (h[c:c + 1024], self.lm_head, targets[c:c + 1024])
-            # Recomputed in backward: a chunk's fp32 logits are 4 * vocab bytes per token (0.8 MB for M3)
-            out.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False) if recompute
-                       else _chunk_logprobs(*args))
-        return torch.cat(out)
-
-
-def _chunk_logprobs(h: torch.Tensor, lm_head: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = (h @ lm_head.t()).float()
-    return logits.log_softmax(-1).gather(1, targets[:, None])[:, 0]
+        return lm_head_logprobs(self.hidden_states(input_ids, cu_seqlens, **kw), self.lm_head, targets)

@@ -88,3 +88,18 @@ def test_expert_groups():
     assert expert_groups(bounds, 10) == [(0, 3), (3, 4), (4, 5), (5, 7)]
     assert expert_groups(bounds, 100) == [(0, 7)]
     assert expert_groups([0, 0, 0], 4) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lm_head_logprobs(monkeypatch, dtype):
+    monkeypatch.setattr(lean, "LOGIT_ROWS", 7)
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(30, 64, generator=g).to(dtype)
+    w = torch.randn(50, 64, generator=g).to(dtype) * 0.3
+    t = torch.randint(0, 50, (30,), generator=g)
+
+    def plain(h):
+        return torch.cat([(h[a:a + 7] @ w.t()).float().log_softmax(-1).gather(1, t[a:a + 7, None])[:, 0]
+                          for a in range(0, 30, 7)])
+
+    _check(lambda x: lean.lm_head_logprobs(x, w, t), plain, [h], dtype, 1e-5 if dtype == torch.float32 else 1e-2)
