@@ -181,3 +181,57 @@ def lm_head_logprobs(h: torch.Tensor, lm_head: torch.Tensor, targets: torch.Tens
     logits GEMM and forms softmax - onehot in one pass: autograd (under activation checkpointing) ran log_softmax
     and gather twice and their backward over fp32 [rows, vocab], and without it kept every chunk's logits."""
     return _LMHeadLogprobs.apply(h, lm_head, targets)
+
+
+def _weighted_rows_grad(g, y, w):
+    """Gradients of fp32(y) * w[:, None] (rows y [R, H], fp32 w [R]) given its fp32 gradient g."""
+    return (g * w[:, None]).to(y.dtype), (g * y.float()).sum(-1)
+
+
+class _WeightedRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, w):  # noqa: D102
+        out = torch.empty(y.shape, dtype=torch.float32, device=y.device)
+        for a, b in row_chunks(y.shape[0]):
+            out[a:b] = y[a:b].float() * w[a:b, None]
+        ctx.save_for_backward(y, w)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: D102
+        y, w = ctx.saved_tensors
+        gy, gw = torch.empty_like(y), torch.empty_like(w)
+        for a, b in row_chunks(y.shape[0]):
+            gy[a:b], gw[a:b] = _weighted_rows_grad(g[a:b], y[a:b], w[a:b])
+        return gy, gw
+
+
+def weighted_rows(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """fp32(y) * w[:, None] in row chunks, saving y in its own dtype (autograd's mul would keep fp32(y))."""
+    return _WeightedRows.apply(y, w)
+
+
+class _WeightedSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, w, tok, num_tokens):  # noqa: D102
+        out = torch.zeros(num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
+        for a, b in row_chunks(y.shape[0]):
+            out.index_add_(0, tok[a:b], y[a:b].float() * w[a:b, None])
+        ctx.save_for_backward(y, w, tok)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        y, w, tok = ctx.saved_tensors
+        gy, gw = torch.empty_like(y), torch.empty_like(w)
+        for a, b in row_chunks(y.shape[0]):
+            gy[a:b], gw[a:b] = _weighted_rows_grad(grad[tok[a:b]], y[a:b], w[a:b])
+        return gy, gw, None, None
+
+
+def weighted_sum(y: torch.Tensor, w: torch.Tensor, tok: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Routed rows y [R, H] with weights w [R] (fp32) summed into their tokens tok [R]: fp32 [num_tokens, H]
+    (out[t] = sum over the rows r of token t of fp32(y[r]) * w[r]). Saves y in its own dtype and rebuilds the
+    products in row chunks: autograd's mul would keep fp32(y), 4 B per routed row element (13 GB per M3 layer at
+    64K tokens), and the unchunked product as much again transiently."""
+    return _WeightedSum.apply(y, w, tok, num_tokens)

@@ -22,7 +22,8 @@ from m3.ops import swigluoai_uninterleave
 from quant.kernels import nvfp4_moe_linear, sort_by_expert
 from quant.kv_cache import nvfp4_kv_qdq
 from rl.model import msa
-from rl.model.lean import add_rows_, fp32_linear, fused_add_norm, lm_head_logprobs, norm_rope
+from rl.model.lean import (add_rows_, fp32_linear, fused_add_norm, lm_head_logprobs, norm_rope, weighted_rows,
+                           weighted_sum)
 from rl.model.lora import ExpertLoRA, LoRAConfig
 from rl.model.options import AttentionImpl, Base, DType, IndexerKVDType, KVCacheDType, MoEImpl, Profile, check_choice
 from rl.model.packed import token_positions
@@ -227,32 +228,41 @@ class MoE(nn.Module):
         and run large GEMMs (token chunks gave each expert 1/n of its rows per call, where the NVFP4 path is
         slowest: results/gpu/issue19_targets.json)."""
         order, offsets = sort_by_expert(ids, self.num_experts)
-        bounds = offsets.tolist()  # one host sync per layer pass: the group boundaries
+        e, n = self.experts, self.num_experts + 1
+        scales = [getattr(e, f"{w}_gs").reshape(-1) for w in ("w13", "w2")] if e.quantized else []
+        # One host sync per layer pass: the group boundaries and, for NVFP4, what its decode path reads on the host
+        # (it would sync once per call otherwise, i.e. per group, linear and pass: ~0.1 s per 4-layer step)
+        host = torch.cat([offsets.double(), *(g.double() for g in scales)]).tolist()
+        bounds = [int(b) for b in host[:n]]
         tok = order // self.top_k
         w = weights.reshape(-1)[order]
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e0, e1 in expert_groups(bounds, max_rows):
             lo, hi = bounds[e0], bounds[e1]
+            group_host = {"bounds": [b - lo for b in bounds[e0:e1 + 1]], "w13": host[n + e0:n + e1],
+                          "w2": host[2 * n - 1 + e0:2 * n - 1 + e1]} if scales else None
             part = torch.utils.checkpoint.checkpoint(self._group, x, tok[lo:hi], w[lo:hi], offsets[e0:e1 + 1] - lo,
-                                                     e0, e1, use_reentrant=False)
+                                                     e0, e1, group_host, use_reentrant=False)
             out = add_rows_(out, tok[lo:hi], part)  # the fp32 weighted sum, as weighted_sum's
         return out.to(x.dtype)
 
-    def _group(self, x, tok, w, offsets, e0, e1):
-        return self._experts(x[tok], offsets, e0, e1).float() * w[:, None]
+    def _group(self, x, tok, w, offsets, e0, e1, host):
+        return weighted_rows(self._experts(x[tok], offsets, e0, e1, host), w)
 
-    def _experts(self, xs, offsets, e0, e1):
+    def _experts(self, xs, offsets, e0, e1, host=None):
         """Experts e0..e1-1 on their rows xs (sorted by expert, expert e0+i's at offsets[i]:offsets[i+1]): on CUDA in
         bf16 two grouped GEMMs, NVFP4 (quant.kernels, the same serving form as the per-expert loop) or, for the bf16
         base, torch._grouped_mm, with expert LoRA in grouped GEMMs over the same offsets
-        (rl.model.lora.grouped_lora_delta); elsewhere per expert."""
+        (rl.model.lora.grouped_lora_delta); elsewhere per expert. host: the offsets ("bounds") and NVFP4 decode scales
+        ("w13", "w2") of these experts as host lists, if known."""
         e, lora, sel = self.experts, getattr(self.experts, "lora", None), slice(e0, e1)
         if not self._use_grouped(xs):
             return self._per_expert(xs, offsets.tolist(), e0, e1, lora)
         if e.quantized:
             def linear(inp, name):
                 return nvfp4_moe_linear(inp, e.packed(name)[sel], getattr(e, f"{name}_scale")[sel],
-                                        getattr(e, f"{name}_gs")[sel], offsets)
+                                        getattr(e, f"{name}_gs")[sel], offsets,
+                                        host=None if host is None else (host[name], host["bounds"]))
         else:
             def linear(inp, name):
                 return torch._grouped_mm(inp, getattr(e, name)[sel].transpose(1, 2), offs=offsets[1:])
@@ -295,39 +305,6 @@ def expert_groups(bounds: list[int], max_rows: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in groups if bounds[b] > bounds[a]]
 
 
-class _WeightedSum(torch.autograd.Function):
-    """out[t] = sum over the rows r of token t of fp32(y[r]) * w[r], in fp32. Saves y in its own dtype and rebuilds
-    the products in row chunks: autograd's mul would keep fp32(y), 4 B per routed row element (13 GB per M3 layer
-    at 64K tokens), and the unchunked product as much again transiently."""
-
-    ROWS = 1 << 16
-
-    @staticmethod
-    def forward(ctx, y, w, tok, num_tokens):  # noqa: D102
-        out = torch.zeros(num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
-        for a in range(0, y.shape[0], _WeightedSum.ROWS):
-            b = a + _WeightedSum.ROWS
-            out.index_add_(0, tok[a:b], y[a:b].float() * w[a:b, None])
-        ctx.save_for_backward(y, w, tok)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: D102
-        y, w, tok = ctx.saved_tensors
-        gy, gw = torch.empty_like(y), torch.empty_like(w)
-        for a in range(0, y.shape[0], _WeightedSum.ROWS):
-            b = a + _WeightedSum.ROWS
-            g = grad[tok[a:b]]
-            gy[a:b] = g * w[a:b, None]
-            gw[a:b] = (g * y[a:b].float()).sum(-1)
-        return gy, gw, None, None
-
-
-def weighted_sum(y: torch.Tensor, w: torch.Tensor, tok: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """Routed rows y [R, H] with weights w [R] (fp32) summed into their tokens tok [R]: fp32 [num_tokens, H]."""
-    return _WeightedSum.apply(y, w, tok, num_tokens)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg, base: BaseWeights, layer: int, sparse: dict | None, is_moe: bool, mcfg):
         super().__init__()
@@ -338,7 +315,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(cfg, base, layer, mcfg) if is_moe else MLP(base, f"{p}.mlp", f"{p}.mlp", cfg, mcfg.lora)
         self.is_moe = is_moe
 
-    def _attention_part(self, x, residual, rope, cu_seqlens, positions, replay_blocks):
+    def _attention_part(self, x, residual, rope, cu_seqlens, positions, replay_blocks, embed=None):
+        if embed is not None:  # x holds token ids (see M3ForTraining.hidden_states)
+            x = embed[x]
         if residual is None:
             residual, x = x, _norm(self.input_layernorm, x)
         else:
@@ -348,11 +327,12 @@ class DecoderLayer(nn.Module):
         return x, residual, own_blocks, block_agree, block_replayed
 
     def forward(self, x, residual, rope, cu_seqlens, positions, replay_ids=None, replay_blocks=None,
-                checkpoint_parts=False):
+                checkpoint_parts=False, embed=None):
         """checkpoint_parts (MoE layers, in training): recompute the attention half under one checkpoint and let
         the MoE recompute its own parts. A layer-wide checkpoint around chunked experts would run them forward three
-        times (forward, the layer's recompute, each chunk's recompute); this way twice, with the same memory bound."""
-        args = (x, residual, rope, cu_seqlens, positions, replay_blocks)
+        times (forward, the layer's recompute, each chunk's recompute); this way twice, with the same memory bound.
+        embed: the embedding table, when x holds the token ids (the first layer embeds them itself)."""
+        args = (x, residual, rope, cu_seqlens, positions, replay_blocks, embed)
         if checkpoint_parts:
             x, residual, own_blocks, block_agree, block_replayed = torch.utils.checkpoint.checkpoint(
                 self._attention_part, *args, use_reentrant=False)
@@ -416,7 +396,9 @@ class M3ForTraining(nn.Module):
                             self.num_experts, self.moe_layers, DENSE_LAYER(self.num_experts))
             routing = torch.as_tensor(routing).long().to(input_ids.device)
         rope = (self.rotary.cos_sin(positions), self.rotary.rotary_dim)
-        x, residual = self.model.embed_tokens[input_ids], None
+        recompute = self.mcfg.activation_checkpointing and torch.is_grad_enabled()
+        # Under recompute the first layer embeds the ids itself: its checkpoint then keeps the ids, not [T, H]
+        x, residual = (input_ids if recompute else self.model.embed_tokens[input_ids]), None
         for i, layer in enumerate(self.model.layers):
             replay_ids = routing[:, i] if routing is not None and i in self.moe_layers else None
             replay_blocks = None
@@ -424,11 +406,11 @@ class M3ForTraining(nn.Module):
                 replay_blocks = torch.as_tensor(blocks)[:, self.sparse_layers.index(i)].to(input_ids.device,
                                                                                            torch.int32)
             args = (x, residual, rope, cu_seqlens, positions, replay_ids, replay_blocks)
-            if self.mcfg.activation_checkpointing and torch.is_grad_enabled() and layer.is_moe and \
-                    layer.mlp.chunk_tokens:
-                out = layer(*args, checkpoint_parts=True)
-            elif self.mcfg.activation_checkpointing and torch.is_grad_enabled():
-                out = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False)
+            embed = self.model.embed_tokens if recompute and i == 0 else None
+            if recompute and layer.is_moe and layer.mlp.chunk_tokens:
+                out = layer(*args, checkpoint_parts=True, embed=embed)
+            elif recompute:
+                out = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False, embed=embed)
             else:
                 out = layer(*args)
             x, residual, (own_b, (agree_b, replayed_b), own_ids, used_ids) = out

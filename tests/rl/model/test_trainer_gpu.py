@@ -30,6 +30,9 @@ RUNS = {  # name -> (device, model config overrides)
     "gpu_bf16_grouped": ("cuda", {"base": "bf16", "moe_impl": "grouped"}),
     # every NVFP4 expert GEMM through the bf16 decode + cuBLAS path (the tiny model never reaches its threshold)
     "gpu_fast_dequant": ("cuda", {"activation_checkpointing": True, "_nvfp4_impl": "dequant"}),
+    # the same in expert groups: the decode path reads the group's offsets and scales from host lists
+    "gpu_fast_dequant_groups": ("cuda", {"activation_checkpointing": True, "moe_chunk_tokens": 256,
+                                         "_nvfp4_impl": "dequant"}),
 }
 
 
@@ -103,7 +106,8 @@ def test_gpu_fast_paths_match_reference(tmp_path):
               "ckpt_vs_fast": _compare(out["gpu_fast"], out["gpu_fast_ckpt"]),
               "moe_chunks_vs_fast": _compare(out["gpu_fast"], out["gpu_fast_ckpt_chunks"]),
               "bf16_grouped_vs_loop": _compare(out["gpu_bf16_loop"], out["gpu_bf16_grouped"]),
-              "nvfp4_dequant_vs_gpu_reference": _compare(out["gpu_reference"], out["gpu_fast_dequant"])}
+              "nvfp4_dequant_vs_gpu_reference": _compare(out["gpu_reference"], out["gpu_fast_dequant"]),
+              "nvfp4_dequant_groups_vs_gpu_reference": _compare(out["gpu_reference"], out["gpu_fast_dequant_groups"])}
     print(json.dumps(report))
     if os.environ.get("M3RL_GPU_REPORT"):
         with open(os.environ["M3RL_GPU_REPORT"], "w") as f:
