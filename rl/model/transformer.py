@@ -208,13 +208,7 @@ class MoE(nn.Module):
             routed = self._routed_in_groups(x, weights, ids, chunk * self.top_k if chunk else ids.numel())
         else:
             routed = self._routed(x, weights, ids)
-        if torch.is_grad_enabled() and chunk and (recompute or x.shape[0] > chunk):
-            # In token chunks, so that its recompute and backward hold one chunk's activations: the whole batch's
-            # (~10 GB at 131K M3 tokens) was the largest working set of the step's backward (run 18 vs 19)
-            shared = torch.cat([torch.utils.checkpoint.checkpoint(self.shared_experts, x[a:a + chunk],
-                                                                  use_reentrant=False) if recompute
-                                else self.shared_experts(x[a:a + chunk]) for a in range(0, x.shape[0], chunk)])
-        elif recompute and torch.is_grad_enabled():
+        if recompute and torch.is_grad_enabled():
             shared = torch.utils.checkpoint.checkpoint(self.shared_experts, x, use_reentrant=False)
         else:
             shared = self.shared_experts(x)
