@@ -443,5 +443,5 @@ class M3ForTraining(nn.Module):
         return routing, blocks
 
     def token_logprobs(self, input_ids, cu_seqlens, targets, **kw) -> torch.Tensor:
-        """log p(targets[t] | tokens <= t) for every packed position t, fp32 [T] (chunked over the vocab GEMM)."""
+        """log p(targets[t] | tokens <= t) for every packed position t, fp32 [T] (the logits in row chunks)."""
         return lm_head_logprobs(self.hidden_states(input_ids, cu_seqlens, **kw), self.lm_head, targets)

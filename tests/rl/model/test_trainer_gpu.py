@@ -3,7 +3,7 @@ give the same token logprobs and LoRA gradients as the reference paths, on the q
 path ("auto") is the KV-block-outer kernel; the per-token one (`triton`) runs too.
 
 Runs of one batch: the CPU reference, the GPU with the reference paths (`attention_impl=reference`,
-`moe_impl=loop`), the GPU fast paths (`auto`), FlexAttention, the fast paths with activation checkpointing (and MoE token chunks), and the
+`moe_impl=loop`), the GPU fast paths (`auto`), FlexAttention, the fast paths with activation checkpointing (and MoE expert groups), and the
 bf16 base with its experts per expert vs in torch._grouped_mm, and every NVFP4 expert GEMM through the bf16 decode +
 cuBLAS path (quant.kernels.nvfp4_dequant). The grouped runs compute expert LoRA in grouped GEMMs. Every run after the first replays the CPU run's expert
 and MSA block choices. Every comparison is computed before any assertion and printed as one JSON line (and written
