@@ -52,6 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--activation-checkpointing", type=int, choices=(0, 1), default=1)
     p.add_argument("--moe-chunk-tokens", type=int, default=0, help="model.moe_chunk_tokens (0: off)")
     p.add_argument("--lora-rank", type=int, default=32)
+    p.add_argument("--msa-dq", choices=("partial", "atomic"), default=None,
+                   help="MSA block-outer dQ mode (rl.model.msa_block_plan.Config.dq; default: the Config default)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", type=int, choices=(0, 1), default=0,
@@ -144,7 +146,25 @@ def step(model, optimizer, batch, token_adv, device, mem=None):
     if mem is not None:
         mem["before_forward"] = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    lp = model.token_logprobs(batch.input_ids.to(device), batch.cu_seqlens.to(device), batch.targets.to(device))
+    if mem is not None:  # what forward leaves for backward outside the checkpoints: the largest storages, by op
+        saved = {}
+
+        def pack(t):
+            key = (t.untyped_storage().data_ptr(), t.device)
+            op = type(t.grad_fn).__name__ if t.grad_fn is not None else "leaf/input"
+            saved.setdefault(key, (t.untyped_storage().nbytes(), op, str(tuple(t.shape)), str(t.dtype)))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            lp = model.token_logprobs(batch.input_ids.to(device), batch.cu_seqlens.to(device),
+                                      batch.targets.to(device))
+        by_op = {}
+        for nbytes, op, shape, dtype in saved.values():
+            by_op[f"{op} {shape} {dtype}"] = by_op.get(f"{op} {shape} {dtype}", 0) + nbytes
+        mem["saved_by_op_gb"] = {k: round(v / GB, 2) for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])[:12]}
+    else:
+        lp = model.token_logprobs(batch.input_ids.to(device), batch.cu_seqlens.to(device),
+                                  batch.targets.to(device))
     mask = batch.response_mask.to(device)
     loss = -(token_adv.to(device) * lp)[mask].sum() / mask.sum()
     if mem is not None:
@@ -217,7 +237,7 @@ def _labelled(fn, name):
 
 def profile_step(model, optimizer, batch, token_adv, device) -> dict:
     """GPU kernel time of one step by what launched it. Forward and recomputed-forward kernels take the innermost
-    m3/<category> label around the call (routed experts incl. their LoRA; attention incl. MSA and the indexer;
+    m3/<category> label around the call (routed experts incl. their LoRA and SwiGLU, not the weighted sum; attention incl. MSA and the indexer;
     projections: every base linear with its LoRA, the shared expert's too; LM head); backward kernels take the label
     of the forward op whose autograd node ran them (matched by sequence number). Everything else is "other" (norms,
     routing, SwiGLU, the weighted sum, embedding, the optimizer)."""
@@ -226,9 +246,9 @@ def profile_step(model, optimizer, batch, token_adv, device) -> dict:
     from rl.model import quantized_base
     from rl.model import transformer as model_mod
 
-    patches = [(model_mod.MoE, "_routed", "expert"), (model_mod.Attention, "forward", "attention"),
+    patches = [(model_mod.MoE, "_experts", "expert"), (model_mod.Attention, "forward", "attention"),
                (serving.MXFP8Linear, "forward", "projections"), (quantized_base.DenseLinear, "forward", "projections"),
-               (lora_mod.LoRALinear, "forward", "projections"), (model_mod, "_chunk_logprobs", "lm_head")]
+               (lora_mod.LoRALinear, "forward", "projections"), (model_mod, "lm_head_logprobs", "lm_head")]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, cat in patches:
         setattr(obj, name, _labelled(getattr(obj, name), cat))
@@ -284,6 +304,12 @@ def main(argv=None) -> int:
 
     rank, world, device = init_process_group(args.device)
     t = text_config(args)
+    if args.msa_dq:  # an experiment knob: the trainer's attention calls the block-outer MSA with its default Config
+        import dataclasses
+
+        from rl.model import msa_block_outer as mbo
+
+        mbo.sparse_attention.__defaults__ = (dataclasses.replace(mbo.DEFAULT, dq=args.msa_dq),)
     mesh = init_device_mesh(device.type, (world,))
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -324,6 +350,7 @@ def main(argv=None) -> int:
             "backward_working_set_peak": (m["backward_peak"] - m["after_forward"]) / GB,
             "transient_peak": (peak - base_bytes - lora_bytes) / GB,
         }
+        mine["saved_outside_checkpoints_gb"] = m["saved_by_op_gb"]
     if args.profile and cuda:
         mine["time_split"] = profile_step(model, optimizer, batch, token_adv, device)
     ranks = [None] * world

@@ -135,11 +135,11 @@ def _host(gs, offsets):
 
 class _NVFP4MoELinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, packed, scale, gs, offsets, config, decoder, impl):  # noqa: D102
+    def forward(ctx, x, packed, scale, gs, offsets, config, decoder, impl, host):  # noqa: D102
         ctx.save_for_backward(packed, scale, gs, offsets)
-        ctx.decoder, ctx.impl, ctx.host = decoder, impl, None
+        ctx.decoder, ctx.impl, ctx.host = decoder, impl, host
         if _pick(impl, x.shape[0], packed.shape[0], "fwd") == "dequant":
-            ctx.host = _host(gs, offsets)
+            ctx.host = ctx.host or _host(gs, offsets)
             return dequant_fwd(x, packed, scale, *ctx.host)
         return launch_fwd(x, packed, scale, gs, offsets, config=config, decoder=decoder)
 
@@ -153,7 +153,7 @@ class _NVFP4MoELinear(torch.autograd.Function):
                 gx = dequant_dgrad(g, packed, scale, *(ctx.host or _host(gs, offsets)))
             else:
                 gx = launch_dgrad(g, packed, scale, gs, offsets, decoder=ctx.decoder)
-        return gx, None, None, None, None, None, None, None
+        return gx, None, None, None, None, None, None, None, None
 
 
 def nvfp4_moe_linear(
@@ -166,6 +166,7 @@ def nvfp4_moe_linear(
     config: dict | None = None,
     decoder: str | None = None,
     impl: str | None = None,
+    host: tuple[list[float], list[int]] | None = None,
 ) -> torch.Tensor:
     """Expert-grouped NVFP4 linear in the hopper serving form: x [M, K] -> [M, N] bf16.
 
@@ -176,7 +177,8 @@ def nvfp4_moe_linear(
     from ``DEQUANT_MIN_ROWS`` rows per expert on, a bf16 decode + cuBLAS per direction (``impl``
     "kernel" / "dequant" forces one; the decode path reads the offsets on the host);
     elsewhere: ``nvfp4_moe_linear_reference``. ``config`` overrides tile sizes, ``decoder`` is
-    "asm" (default) or "triton".
+    "asm" (default) or "triton". ``host``: (decode scales, offsets) as host lists, equal to the tensors, when the
+    caller has them: the decode path then reads no device values (no sync).
     """
     _check(x, packed, scale, global_scale, offsets)
     if not (x.is_cuda and triton_available()):
@@ -187,4 +189,4 @@ def nvfp4_moe_linear(
         raise ValueError(f"unknown impl {impl!r}; expected 'kernel', 'dequant' or None")
     gs = global_scale.reshape(-1).to(device=x.device, dtype=torch.float32).contiguous()
     offsets = offsets.to(device=x.device, dtype=torch.int32).contiguous()
-    return _NVFP4MoELinear.apply(x.to(torch.bfloat16), packed, scale, gs, offsets, config, decoder, impl)
+    return _NVFP4MoELinear.apply(x.to(torch.bfloat16), packed, scale, gs, offsets, config, decoder, impl, host)

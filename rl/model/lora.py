@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from quant.kernels.grouped import grouped_mm, grouped_mm_t
+from rl.model.lean import row_chunks
 
 PEFT_PREFIX = "base_model.model."
 # transformers module names LoRA can target; q_proj/k_proj also match the indexer's (self_attn.indexer.{q,k}_proj)
@@ -60,8 +61,37 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float
     if plain:
         dt = torch.promote_types(x.dtype, a.dtype)  # peft casts x to the adapter's dtype (fp32 masters: fp32)
         return ((x.to(dt) @ a.to(dt).t()) @ b.to(dt).t() * scaling).to(x.dtype)
-    h = (x.float() @ a.to(x.dtype).float().t()).to(x.dtype)
+    h = _Shrink.apply(x, a.to(x.dtype))
     return h @ (b.to(x.dtype) * scaling).to(x.dtype).t()
+
+
+class _Shrink(torch.autograd.Function):
+    """bf16(fp32(x) @ fp32(a)^T), vLLM's fp32 shrink, in row chunks, saving x in its own dtype: autograd would keep
+    the fp32 copy of x (4 B per element: 3.2 GB per projection input at 131K tokens of M3) for a's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, a):  # noqa: D102
+        x2 = x.reshape(-1, x.shape[-1])
+        af = a.float().t()
+        h = torch.empty(x2.shape[0], a.shape[0], dtype=x.dtype, device=x.device)
+        for lo, hi in row_chunks(x2.shape[0]):
+            h[lo:hi] = x2[lo:hi].float() @ af
+        ctx.save_for_backward(x, a)
+        return h.view(*x.shape[:-1], a.shape[0])
+
+    @staticmethod
+    def backward(ctx, gh):  # noqa: D102
+        x, a = ctx.saved_tensors
+        x2, g = x.reshape(-1, x.shape[-1]), gh.reshape(-1, a.shape[0]).float()
+        af = a.float()
+        gx = torch.empty_like(x2) if ctx.needs_input_grad[0] else None
+        ga = torch.zeros(af.shape, dtype=torch.float32, device=a.device) if ctx.needs_input_grad[1] else None
+        for lo, hi in row_chunks(x2.shape[0]):
+            if gx is not None:
+                gx[lo:hi] = g[lo:hi] @ af
+            if ga is not None:
+                ga.addmm_(g[lo:hi].t(), x2[lo:hi].float())
+        return None if gx is None else gx.view_as(x), None if ga is None else ga.to(a.dtype)
 
 
 class LoRALinear(nn.Module):
@@ -101,12 +131,21 @@ class ExpertLoRA(nn.Module):
     def down(self, x: torch.Tensor, e: int) -> torch.Tensor:
         return lora_delta(x, self.down_A[e], self.down_B[e], self.scaling, self.plain_precision)
 
-    def gate_up_grouped(self, x: torch.Tensor, offsets: torch.Tensor, impl: str = "auto") -> torch.Tensor:
-        """Every expert's gate_up delta at once: x [R, H] sorted by expert, rows of e at offsets[e]:offsets[e+1]."""
-        return grouped_lora_delta(x, self.gate_up_A, self.gate_up_B, offsets, self.scaling, impl)
+    def gate_up_grouped(self, x: torch.Tensor, offsets: torch.Tensor, impl: str = "auto",
+                        experts: slice | None = None) -> torch.Tensor:
+        """Every expert's gate_up delta at once: x [R, H] sorted by expert, rows of e at offsets[e]:offsets[e+1];
+        experts: only those experts (offsets then has one entry per expert of the slice, plus one)."""
+        return self._grouped("gate_up", x, offsets, impl, experts)
 
-    def down_grouped(self, x: torch.Tensor, offsets: torch.Tensor, impl: str = "auto") -> torch.Tensor:
-        return grouped_lora_delta(x, self.down_A, self.down_B, offsets, self.scaling, impl)
+    def down_grouped(self, x: torch.Tensor, offsets: torch.Tensor, impl: str = "auto",
+                     experts: slice | None = None) -> torch.Tensor:
+        return self._grouped("down", x, offsets, impl, experts)
+
+    def _grouped(self, which, x, offsets, impl, experts):
+        a, b = getattr(self, f"{which}_A"), getattr(self, f"{which}_B")
+        if experts is not None:
+            a, b = a[experts], b[experts]
+        return grouped_lora_delta(x, a, b, offsets, self.scaling, impl)
 
 
 class _GroupedLoRADelta(torch.autograd.Function):

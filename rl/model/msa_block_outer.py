@@ -241,78 +241,110 @@ def _part_dtype(q, config):
     return torch.float32 if q.dtype == torch.float32 or config.part_dtype == "fp32" else q.dtype
 
 
+def _forward(q, k, v, dense_out, plan: Plan, scale: float, config: Config, o, lse):
+    """One sequence group's rows: fills o and lse (views of the whole batch's)."""
+    t_count, hq, dim = q.shape
+    hkv, topk = k.shape[1], plan.slot_gid.shape[2]
+    g = hq // hkv
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    ne = t_count * hkv * topk
+    opart = torch.empty(ne * g, dim, dtype=_part_dtype(q, config), device=q.device)
+    lpart = torch.empty(ne * g, dtype=torch.float32, device=q.device)
+    qk_scale = scale * math.log2(math.e)
+    tm = _tokens(config.fwd_rows, g)
+    if plan.n_max:
+        _fwd[(plan.n_max,)](
+            q, k, v, opart, lpart, plan.entries, plan.order, plan.item_key, plan.item_lo, plan.item_hi,
+            plan.kstart, t_count, plan.nkb, qk_scale, HQ=hq, HKV=hkv, G=g, TOPK=topk, TM=tm, BM=_p2(tm * g), D=dim,
+            PREC=prec, num_warps=config.fwd_warps, num_stages=config.fwd_stages)
+    has_dense = dense_out is not None
+    dense = dense_out.contiguous() if has_dense else o
+    dense_row = plan.dense_row if has_dense else plan.slot_pos  # not read without a dense prefix
+    rows, r = t_count * hq, config.row_tile
+    if t_count:
+        _merge[(triton.cdiv(rows, r),)](opart, lpart, plan.slot_pos, dense_row, dense, o, lse, rows, HQ=hq,
+                                        HKV=hkv, G=g, TOPK=topk, D=dim, R=r, HAS_DENSE=has_dense)
+
+
+def _backward(q, k, v, o, lse, do, plan: Plan, scale: float, config: Config, dq, dk, dv):
+    """One sequence group's rows: fills dq, dk, dv (views of the whole batch's)."""
+    t_count, hq, dim = q.shape
+    hkv, topk = k.shape[1], plan.slot_gid.shape[2]
+    g = hq // hkv
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    ne, ni = t_count * hkv * topk, plan.n_max
+    bn = config.bwd_keys
+    nh = BLOCK // bn
+    delta = torch.empty(t_count, hq, dtype=torch.float32, device=q.device)
+    rows, r = t_count * hq, config.row_tile
+    if t_count:
+        _delta[(triton.cdiv(rows, r),)](o, do, delta, rows, D=dim, R=r)
+    atomic = config.dq == "atomic"
+    dq_buf = (torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else
+              torch.empty(nh * ne * g, dim, dtype=_part_dtype(q, config), device=q.device))
+    dks = torch.empty(ni * BLOCK, dim, dtype=torch.float32, device=q.device)
+    dvs = torch.empty_like(dks)
+    if ni:
+        _bwd[(ni, nh)](q, k, v, do, lse, delta, dq_buf, dks, dvs, plan.entries, plan.order, plan.item_key,
+                       plan.item_lo, plan.item_hi, plan.kstart, t_count, plan.nkb, ne, scale * math.log2(math.e),
+                       HQ=hq, HKV=hkv, G=g, TOPK=topk, TM=_tokens(config.bwd_rows, g),
+                       BM=_p2(_tokens(config.bwd_rows, g) * g),
+                       BN=bn, D=dim, PREC=prec, DQ_ATOMIC=atomic, num_warps=config.bwd_warps,
+                       num_stages=config.bwd_stages)
+    if atomic:
+        dq.copy_(dq_buf * scale)
+    elif t_count:
+        _reduce_dq[(triton.cdiv(rows, r),)](dq_buf, plan.slot_pos, dq, rows, ne, scale, HQ=hq, HKV=hkv, G=g,
+                                            TOPK=topk, D=dim, NH=nh, R=r)
+    if plan.nkb:
+        _reduce_dkdv[(hkv * plan.nkb,)](dks, dvs, plan.key_item0, plan.kstart, plan.kend, dk, dv, plan.nkb,
+                                        scale, HKV=hkv, D=dim)
+
+
 class _BlockOuter(torch.autograd.Function):
+    """groups: [(start, end, plan)] of consecutive sequences, run one after the other so that the per-entry partials
+    (forward and dQ: 4 KB per token per KV head and slot in bf16, ~34 GB at 131K M3 tokens in one call) exist for one
+    group at a time; dense: each group's dense-prefix output (or None)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, dense_out, plan: Plan, scale: float, config: Config):  # noqa: D102
+    def forward(ctx, q, k, v, groups, scale: float, config: Config, *dense):  # noqa: D102
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        t_count, hq, dim = q.shape
-        hkv, topk = k.shape[1], plan.slot_gid.shape[2]
-        g = hq // hkv
-        prec = "ieee" if q.dtype == torch.float32 else "tf32"
-        ne = t_count * hkv * topk
-        opart = torch.empty(ne * g, dim, dtype=_part_dtype(q, config), device=q.device)
-        lpart = torch.empty(ne * g, dtype=torch.float32, device=q.device)
         o = torch.empty_like(q)
-        lse = torch.empty(t_count, hq, dtype=torch.float32, device=q.device)
-        qk_scale = scale * math.log2(math.e)
-        tm = _tokens(config.fwd_rows, g)
-        if plan.n_max:
-            _fwd[(plan.n_max,)](
-                q, k, v, opart, lpart, plan.entries, plan.order, plan.item_key, plan.item_lo, plan.item_hi,
-                plan.kstart, t_count, plan.nkb, qk_scale, HQ=hq, HKV=hkv, G=g, TOPK=topk, TM=tm, BM=_p2(tm * g), D=dim,
-                PREC=prec, num_warps=config.fwd_warps, num_stages=config.fwd_stages)
-        has_dense = dense_out is not None
-        dense = dense_out.contiguous() if has_dense else o
-        dense_row = plan.dense_row if has_dense else plan.slot_pos  # not read without a dense prefix
-        rows, r = t_count * hq, config.row_tile
-        if t_count:
-            _merge[(triton.cdiv(rows, r),)](opart, lpart, plan.slot_pos, dense_row, dense, o, lse, rows, HQ=hq,
-                                            HKV=hkv, G=g, TOPK=topk, D=dim, R=r, HAS_DENSE=has_dense)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        for (s, e, plan), dense_out in zip(groups, dense):
+            _forward(q[s:e], k[s:e], v[s:e], dense_out, plan, scale, config, o[s:e], lse[s:e])
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.plan, ctx.scale, ctx.config, ctx.has_dense = plan, scale, config, dense_out is not None
+        ctx.groups, ctx.scale, ctx.config = groups, scale, config
+        ctx.has_dense = [d is not None for d in dense]
         return o
 
     @staticmethod
     def backward(ctx, do):  # noqa: D102
         q, k, v, o, lse = ctx.saved_tensors
-        plan, scale, config = ctx.plan, ctx.scale, ctx.config
         do = do.contiguous().to(q.dtype)
-        t_count, hq, dim = q.shape
-        hkv, topk = k.shape[1], plan.slot_gid.shape[2]
-        g = hq // hkv
-        prec = "ieee" if q.dtype == torch.float32 else "tf32"
-        ne, ni = t_count * hkv * topk, plan.n_max
-        bn = config.bwd_keys
-        nh = BLOCK // bn
-        delta = torch.empty(t_count, hq, dtype=torch.float32, device=q.device)
-        rows, r = t_count * hq, config.row_tile
-        if t_count:
-            _delta[(triton.cdiv(rows, r),)](o, do, delta, rows, D=dim, R=r)
-        atomic = config.dq == "atomic"
-        dq_buf = (torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else
-                  torch.empty(nh * ne * g, dim, dtype=_part_dtype(q, config), device=q.device))
-        dks = torch.empty(ni * BLOCK, dim, dtype=torch.float32, device=q.device)
-        dvs = torch.empty_like(dks)
-        if ni:
-            _bwd[(ni, nh)](q, k, v, do, lse, delta, dq_buf, dks, dvs, plan.entries, plan.order, plan.item_key,
-                           plan.item_lo, plan.item_hi, plan.kstart, t_count, plan.nkb, ne, scale * math.log2(math.e),
-                           HQ=hq, HKV=hkv, G=g, TOPK=topk, TM=_tokens(config.bwd_rows, g),
-                           BM=_p2(_tokens(config.bwd_rows, g) * g),
-                           BN=bn, D=dim, PREC=prec, DQ_ATOMIC=atomic, num_warps=config.bwd_warps,
-                           num_stages=config.bwd_stages)
-        if atomic:
-            dq = (dq_buf * scale).to(q.dtype)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        d_dense = []
+        for (s, e, plan), has_dense in zip(ctx.groups, ctx.has_dense):
+            _backward(q[s:e], k[s:e], v[s:e], o[s:e], lse[s:e], do[s:e], plan, ctx.scale, ctx.config, dq[s:e],
+                      dk[s:e], dv[s:e])
+            d_dense.append(do[s:e].index_select(0, plan.dense_idx) if has_dense else None)
+        return dq, dk, dv, None, None, None, *d_dense
+
+
+def sequence_groups(bounds: list[tuple[int, int]], max_tokens: int) -> list[tuple[int, int]]:
+    """Token ranges [start, end) of consecutive sequences with at most max_tokens tokens each (0: one range); a longer
+    sequence is a range of its own."""
+    groups = []
+    for s, e in bounds:
+        if groups and e == s:  # an empty sequence: nothing to run (it ends where the last group ends)
+            continue
+        if groups and max_tokens and e - groups[-1][0] > max_tokens:
+            groups.append((s, e))
+        elif groups:
+            groups[-1] = (groups[-1][0], e)
         else:
-            dq = torch.empty_like(q)
-            if t_count:
-                _reduce_dq[(triton.cdiv(rows, r),)](dq_buf, plan.slot_pos, dq, rows, ne, scale, HQ=hq, HKV=hkv, G=g,
-                                                    TOPK=topk, D=dim, NH=nh, R=r)
-        dk, dv = torch.empty_like(k), torch.empty_like(v)
-        if plan.nkb:
-            _reduce_dkdv[(hkv * plan.nkb,)](dks, dvs, plan.key_item0, plan.kstart, plan.kend, dk, dv, plan.nkb,
-                                            scale, HKV=hkv, D=dim)
-        d_dense = do.index_select(0, plan.dense_idx) if ctx.has_dense else None
-        return dq, dk, dv, d_dense, None, None, None
+            groups.append((s, e))
+    return groups
 
 
 def _causal_sdpa(q, k, v, spans, scale: float):
@@ -343,6 +375,9 @@ def sparse_attention(q, k, v, block_ids, cu_seqlens, scale: float, config: Confi
         return _causal_sdpa(q, k, v, [(s, e - s) for s, e in bounds if e > s], scale)
     if triton is None:
         raise RuntimeError("rl.model.msa_block_outer needs Triton (CUDA, or TRITON_INTERPRET=1 for tests)")
-    plan = build_plan(block_ids, cu_seqlens, config)
-    dense_out = _dense_prefix(q, k, v, plan, scale)
-    return _BlockOuter.apply(q, k, v, dense_out, plan, scale, config)
+    groups, dense = [], []
+    for s, e in sequence_groups(bounds, config.group_tokens):
+        plan = build_plan(block_ids[s:e], [b - s for b in [s] + [end for _, end in bounds if s < end <= e]], config)
+        groups.append((s, e, plan))
+        dense.append(_dense_prefix(q[s:e], k[s:e], v[s:e], plan, scale))
+    return _BlockOuter.apply(q, k, v, groups, scale, config, *dense)

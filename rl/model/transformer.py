@@ -18,10 +18,12 @@ from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMa
 from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLRMSNorm
 
 from m3.config import DTYPES
-from m3.ops import neox_rope, swigluoai_uninterleave
+from m3.ops import swigluoai_uninterleave
 from quant.kernels import nvfp4_moe_linear, sort_by_expert
 from quant.kv_cache import nvfp4_kv_qdq
 from rl.model import msa
+from rl.model.lean import (add_rows_, fp32_linear, fused_add_norm, lm_head_logprobs, norm_rope, weighted_rows,
+                           weighted_sum)
 from rl.model.lora import ExpertLoRA, LoRAConfig
 from rl.model.options import AttentionImpl, Base, DType, IndexerKVDType, KVCacheDType, MoEImpl, Profile, check_choice
 from rl.model.packed import token_positions
@@ -42,7 +44,8 @@ class TrainerModelConfig:
     attention_impl: str = "auto"  # MSA: "reference" (CPU), "block" / "triton" / "flex" (GPU), "auto"
     moe_impl: str = "auto"  # routed experts: "loop" (per expert), "grouped" (CUDA bf16: Triton NVFP4 / _grouped_mm)
     activation_checkpointing: bool = False  # recompute each decoder layer in backward (long sequences)
-    moe_chunk_tokens: int = 0  # > 0: routed experts in token chunks, each recomputed in backward (less memory)
+    moe_chunk_tokens: int = 0  # > 0: routed experts in expert groups of ~this many tokens x top_k rows, each
+    # recomputed in backward (less memory)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def validate(self) -> None:
@@ -72,13 +75,6 @@ def _norm(norm: MiniMaxM3VLRMSNorm, x: torch.Tensor) -> torch.Tensor:
     return norm(x)
 
 
-def fused_add_norm(norm: MiniMaxM3VLRMSNorm, x: torch.Tensor, residual: torch.Tensor):
-    """vLLM's fused add + Gemma norm: the residual is stored in the activation dtype, the norm reads the fp32 sum."""
-    total = x.float() + residual.float()
-    normed = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + norm.eps) * (1.0 + norm.weight.float())
-    return normed.to(x.dtype), total.to(x.dtype)
-
-
 class Rotary(nn.Module):
     """vLLM's cos/sin cache: fp32 angles, cast to the model dtype, then applied in fp32 (NeoX, partial)."""
 
@@ -93,10 +89,6 @@ class Rotary(nn.Module):
     def cos_sin(self, positions: torch.Tensor) -> torch.Tensor:
         freqs = positions.float()[:, None] * self.inv_freq[None, :].to(positions.device)
         return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(self.dtype)
-
-
-def norm_rope(norm: MiniMaxM3VLRMSNorm, x: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
-    return neox_rope(norm(x), cos_sin, rotary_dim)  # the norm is stored in the activation dtype before RoPE
 
 
 class Indexer(nn.Module):
@@ -134,15 +126,18 @@ class Attention(nn.Module):
             k, v = nvfp4_kv_qdq(k), nvfp4_kv_qdq(v)
         own = agreement = replayed = None
         if self.indexer is not None:
-            ix = self.indexer
-            iq = norm_rope(ix.q_norm, ix.q_proj(x).view(t, ix.heads, ix.dim), cos_sin, rotary_dim)
-            ik = norm_rope(ix.k_norm, ix.k_proj(x).view(t, 1, ix.dim), cos_sin, rotary_dim)[:, 0]
-            ik = ik.to(torch.bfloat16)  # vLLM's index cache is bf16 even in fp32 models
-            if self.index_nvfp4:
-                ik = nvfp4_kv_qdq(ik)
+            # No graph: the indexer only picks blocks (a discrete top-k), so its LoRA gets no gradient from a token
+            # loss either way, and its activations would be held for nothing until the layer returns.
             with torch.no_grad():
+                ix = self.indexer
+                iq = norm_rope(ix.q_norm, ix.q_proj(x).view(t, ix.heads, ix.dim), cos_sin, rotary_dim)
+                ik = norm_rope(ix.k_norm, ix.k_proj(x).view(t, 1, ix.dim), cos_sin, rotary_dim)[:, 0]
+                ik = ik.to(torch.bfloat16)  # vLLM's index cache is bf16 even in fp32 models
+                if self.index_nvfp4:
+                    ik = nvfp4_kv_qdq(ik)
                 own = msa.select_blocks(iq, ik, cu_seqlens, self.sparse["topk"], self.sparse["init"],
                                         self.sparse["local"])
+                del iq, ik
             blocks = own
             if replay_blocks is not None:
                 msa.validate_block_ids(replay_blocks, cu_seqlens, num_heads=self.kv_heads)
@@ -204,17 +199,13 @@ class MoE(nn.Module):
 
     def forward(self, x, replay_ids=None, recompute=False):
         """recompute: this MoE is the layer's own recompute unit (DecoderLayer.forward's checkpoint_parts): the
-        routed experts (in token chunks) and the shared expert are rebuilt in backward here, not by a layer-wide
+        routed experts (in expert groups) and the shared expert are rebuilt in backward here, not by a layer-wide
         checkpoint around them."""
-        logits = x.float() @ self.gate.t()  # GateLinear: fp32 weights and output
+        logits = fp32_linear(x, self.gate)  # GateLinear: fp32 weights and output
         weights, ids, own = route(logits, self.bias, self.top_k, self.scaling, replay_ids)
         chunk = self.chunk_tokens
         if torch.is_grad_enabled() and (recompute or (chunk and x.shape[0] > chunk)):
-            # Each chunk's expert activations are rebuilt in backward, so a long batch holds one chunk's at a time.
-            step = chunk or x.shape[0]
-            routed = torch.cat([torch.utils.checkpoint.checkpoint(self._routed, x[a:a + step], weights[a:a + step],
-                                                                  ids[a:a + step], use_reentrant=False)
-                                for a in range(0, x.shape[0], step)])
+            routed = self._routed_in_groups(x, weights, ids, chunk * self.top_k if chunk else ids.numel())
         else:
             routed = self._routed(x, weights, ids)
         if recompute and torch.is_grad_enabled():
@@ -225,85 +216,93 @@ class MoE(nn.Module):
 
     def _routed(self, x, weights, ids):
         """The routed experts' weighted sum, in x's dtype (vLLM: fp32 sum of the scaled expert outputs)."""
-        if self._use_grouped(x):
-            return self._grouped(x, weights, ids)
-        rows, toks, slots = [], [], []
-        lora = getattr(self.experts, "lora", None)
-        for e in torch.unique(ids).tolist():
-            tok, slot = (ids == e).nonzero(as_tuple=True)
-            xe = x[tok]
-            gate_up = self.experts.gate_up(xe, e)
-            if lora is not None:
-                gate_up = gate_up + lora.gate_up(xe, e)
-            act = swigluoai_uninterleave(gate_up, self.alpha, self.limit, self.beta)
-            y = self.experts.down(act, e)
-            if lora is not None:
-                y = y + lora.down(act, e)
-            rows.append(y)
-            toks.append(tok)
-            slots.append(slot)
-        if not rows:  # no tokens
-            return torch.zeros_like(x)
-        tok = torch.cat(toks)
-        return weighted_sum(torch.cat(rows), weights[tok, torch.cat(slots)], tok, x.shape[0]).to(x.dtype)
-
-    def _grouped(self, x, weights, ids):
-        """GPU path: all routed experts in two grouped GEMMs, tokens sorted by expert: NVFP4 (quant.kernels, the
-        same serving form as the per-expert loop) or, for the bf16 base, torch._grouped_mm. Expert LoRA in grouped
-        GEMMs over the same offsets (rl.model.lora.grouped_lora_delta)."""
-        e = self.experts
         order, offsets = sort_by_expert(ids, self.num_experts)
         tok = order // self.top_k
-        xs = x[tok]
+        y = self._experts(x[tok], offsets, 0, self.num_experts)
+        return weighted_sum(y, weights.reshape(-1)[order], tok, x.shape[0]).to(x.dtype)
+
+    def _routed_in_groups(self, x, weights, ids, max_rows):
+        """_routed by groups of consecutive experts of about max_rows rows each, each group recomputed in backward:
+        a long batch holds one group's expert activations at a time. Groups of experts rather than of tokens: each
+        expert sees all its rows of the batch in one call, so the NVFP4 experts decode their weights once per pass
+        and run large GEMMs (token chunks gave each expert 1/n of its rows per call, where the NVFP4 path is
+        slowest: results/gpu/issue19_targets.json)."""
+        order, offsets = sort_by_expert(ids, self.num_experts)
+        e, n = self.experts, self.num_experts + 1
+        scales = [getattr(e, f"{w}_gs").reshape(-1) for w in ("w13", "w2")] if e.quantized else []
+        # One host sync per layer pass: the group boundaries and, for NVFP4, what its decode path reads on the host
+        # (it would sync once per call otherwise, i.e. per group, linear and pass: ~0.1 s per 4-layer step)
+        host = torch.cat([offsets.double(), *(g.double() for g in scales)]).tolist()
+        bounds = [int(b) for b in host[:n]]
+        tok = order // self.top_k
+        w = weights.reshape(-1)[order]
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e0, e1 in expert_groups(bounds, max_rows):
+            lo, hi = bounds[e0], bounds[e1]
+            group_host = {"bounds": [b - lo for b in bounds[e0:e1 + 1]], "w13": host[n + e0:n + e1],
+                          "w2": host[2 * n - 1 + e0:2 * n - 1 + e1]} if scales else None
+            part = torch.utils.checkpoint.checkpoint(self._group, x, tok[lo:hi], w[lo:hi], offsets[e0:e1 + 1] - lo,
+                                                     e0, e1, group_host, use_reentrant=False)
+            out = add_rows_(out, tok[lo:hi], part)  # the fp32 weighted sum, as weighted_sum's
+        return out.to(x.dtype)
+
+    def _group(self, x, tok, w, offsets, e0, e1, host):
+        return weighted_rows(self._experts(x[tok], offsets, e0, e1, host), w)
+
+    def _experts(self, xs, offsets, e0, e1, host=None):
+        """Experts e0..e1-1 on their rows xs (sorted by expert, expert e0+i's at offsets[i]:offsets[i+1]): on CUDA in
+        bf16 two grouped GEMMs, NVFP4 (quant.kernels, the same serving form as the per-expert loop) or, for the bf16
+        base, torch._grouped_mm, with expert LoRA in grouped GEMMs over the same offsets
+        (rl.model.lora.grouped_lora_delta); elsewhere per expert. host: the offsets ("bounds") and NVFP4 decode scales
+        ("w13", "w2") of these experts as host lists, if known."""
+        e, lora, sel = self.experts, getattr(self.experts, "lora", None), slice(e0, e1)
+        if not self._use_grouped(xs):
+            return self._per_expert(xs, offsets.tolist(), e0, e1, lora)
         if e.quantized:
             def linear(inp, name):
-                return nvfp4_moe_linear(inp, e.packed(name), getattr(e, f"{name}_scale"),
-                                        getattr(e, f"{name}_gs"), offsets)
+                return nvfp4_moe_linear(inp, e.packed(name)[sel], getattr(e, f"{name}_scale")[sel],
+                                        getattr(e, f"{name}_gs")[sel], offsets,
+                                        host=None if host is None else (host[name], host["bounds"]))
         else:
             def linear(inp, name):
-                return torch._grouped_mm(inp, getattr(e, name).transpose(1, 2), offs=offsets[1:])
+                return torch._grouped_mm(inp, getattr(e, name)[sel].transpose(1, 2), offs=offsets[1:])
         gate_up = linear(xs, "w13")
-        lora = getattr(e, "lora", None)
         if lora is not None:
-            gate_up = gate_up + lora.gate_up_grouped(xs, offsets)
+            gate_up = gate_up + lora.gate_up_grouped(xs, offsets, experts=sel)
         act = swigluoai_uninterleave(gate_up, self.alpha, self.limit, self.beta)
         y = linear(act, "w2")
         if lora is not None:
-            y = y + lora.down_grouped(act, offsets)
-        return weighted_sum(y, weights.reshape(-1)[order], tok, x.shape[0]).to(x.dtype)
+            y = y + lora.down_grouped(act, offsets, experts=sel)
+        return y
+
+    def _per_expert(self, xs, bounds, e0, e1, lora):
+        rows = []
+        for i in range(e1 - e0):
+            a, b = bounds[i], bounds[i + 1]
+            if b == a:
+                continue
+            xe = xs[a:b]
+            gate_up = self.experts.gate_up(xe, e0 + i)
+            if lora is not None:
+                gate_up = gate_up + lora.gate_up(xe, e0 + i)
+            act = swigluoai_uninterleave(gate_up, self.alpha, self.limit, self.beta)
+            y = self.experts.down(act, e0 + i)
+            if lora is not None:
+                y = y + lora.down(act, e0 + i)
+            rows.append(y)
+        return torch.cat(rows) if rows else xs.new_zeros(0, xs.shape[1])
 
 
-class _WeightedSum(torch.autograd.Function):
-    """out[t] = sum over the rows r of token t of fp32(y[r]) * w[r], in fp32. Saves y in its own dtype and rebuilds
-    the products in row chunks: autograd's mul would keep fp32(y), 4 B per routed row element (13 GB per M3 layer
-    at 64K tokens), and the unchunked product as much again transiently."""
-
-    ROWS = 1 << 16
-
-    @staticmethod
-    def forward(ctx, y, w, tok, num_tokens):  # noqa: D102
-        out = torch.zeros(num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
-        for a in range(0, y.shape[0], _WeightedSum.ROWS):
-            b = a + _WeightedSum.ROWS
-            out.index_add_(0, tok[a:b], y[a:b].float() * w[a:b, None])
-        ctx.save_for_backward(y, w, tok)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: D102
-        y, w, tok = ctx.saved_tensors
-        gy, gw = torch.empty_like(y), torch.empty_like(w)
-        for a in range(0, y.shape[0], _WeightedSum.ROWS):
-            b = a + _WeightedSum.ROWS
-            g = grad[tok[a:b]]
-            gy[a:b] = g * w[a:b, None]
-            gw[a:b] = (g * y[a:b].float()).sum(-1)
-        return gy, gw, None, None
-
-
-def weighted_sum(y: torch.Tensor, w: torch.Tensor, tok: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """Routed rows y [R, H] with weights w [R] (fp32) summed into their tokens tok [R]: fp32 [num_tokens, H]."""
-    return _WeightedSum.apply(y, w, tok, num_tokens)
+def expert_groups(bounds: list[int], max_rows: int) -> list[tuple[int, int]]:
+    """Ranges [e0, e1) of consecutive experts with rows (bounds: host offsets [E+1]) of at most max_rows rows each;
+    an expert with more rows is a range of its own."""
+    groups, e0 = [], 0
+    for e in range(1, len(bounds)):
+        if bounds[e] - bounds[e0] > max_rows and e - 1 > e0:
+            groups.append((e0, e - 1))
+            e0 = e - 1
+    groups.append((e0, len(bounds) - 1))
+    return [(a, b) for a, b in groups if bounds[b] > bounds[a]]
 
 
 class DecoderLayer(nn.Module):
@@ -316,7 +315,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(cfg, base, layer, mcfg) if is_moe else MLP(base, f"{p}.mlp", f"{p}.mlp", cfg, mcfg.lora)
         self.is_moe = is_moe
 
-    def _attention_part(self, x, residual, rope, cu_seqlens, positions, replay_blocks):
+    def _attention_part(self, x, residual, rope, cu_seqlens, positions, replay_blocks, embed=None):
+        if embed is not None:  # x holds token ids (see M3ForTraining.hidden_states)
+            x = embed[x]
         if residual is None:
             residual, x = x, _norm(self.input_layernorm, x)
         else:
@@ -326,11 +327,12 @@ class DecoderLayer(nn.Module):
         return x, residual, own_blocks, block_agree, block_replayed
 
     def forward(self, x, residual, rope, cu_seqlens, positions, replay_ids=None, replay_blocks=None,
-                checkpoint_parts=False):
+                checkpoint_parts=False, embed=None):
         """checkpoint_parts (MoE layers, in training): recompute the attention half under one checkpoint and let
         the MoE recompute its own parts. A layer-wide checkpoint around chunked experts would run them forward three
-        times (forward, the layer's recompute, each chunk's recompute); this way twice, with the same memory bound."""
-        args = (x, residual, rope, cu_seqlens, positions, replay_blocks)
+        times (forward, the layer's recompute, each chunk's recompute); this way twice, with the same memory bound.
+        embed: the embedding table, when x holds the token ids (the first layer embeds them itself)."""
+        args = (x, residual, rope, cu_seqlens, positions, replay_blocks, embed)
         if checkpoint_parts:
             x, residual, own_blocks, block_agree, block_replayed = torch.utils.checkpoint.checkpoint(
                 self._attention_part, *args, use_reentrant=False)
@@ -394,7 +396,9 @@ class M3ForTraining(nn.Module):
                             self.num_experts, self.moe_layers, DENSE_LAYER(self.num_experts))
             routing = torch.as_tensor(routing).long().to(input_ids.device)
         rope = (self.rotary.cos_sin(positions), self.rotary.rotary_dim)
-        x, residual = self.model.embed_tokens[input_ids], None
+        recompute = self.mcfg.activation_checkpointing and torch.is_grad_enabled()
+        # Under recompute the first layer embeds the ids itself: its checkpoint then keeps the ids, not [T, H]
+        x, residual = (input_ids if recompute else self.model.embed_tokens[input_ids]), None
         for i, layer in enumerate(self.model.layers):
             replay_ids = routing[:, i] if routing is not None and i in self.moe_layers else None
             replay_blocks = None
@@ -402,11 +406,11 @@ class M3ForTraining(nn.Module):
                 replay_blocks = torch.as_tensor(blocks)[:, self.sparse_layers.index(i)].to(input_ids.device,
                                                                                            torch.int32)
             args = (x, residual, rope, cu_seqlens, positions, replay_ids, replay_blocks)
-            if self.mcfg.activation_checkpointing and torch.is_grad_enabled() and layer.is_moe and \
-                    layer.mlp.chunk_tokens:
-                out = layer(*args, checkpoint_parts=True)
-            elif self.mcfg.activation_checkpointing and torch.is_grad_enabled():
-                out = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False)
+            embed = self.model.embed_tokens if recompute and i == 0 else None
+            if recompute and layer.is_moe and layer.mlp.chunk_tokens:
+                out = layer(*args, checkpoint_parts=True, embed=embed)
+            elif recompute:
+                out = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False, embed=embed)
             else:
                 out = layer(*args)
             x, residual, (own_b, (agree_b, replayed_b), own_ids, used_ids) = out
@@ -439,18 +443,5 @@ class M3ForTraining(nn.Module):
         return routing, blocks
 
     def token_logprobs(self, input_ids, cu_seqlens, targets, **kw) -> torch.Tensor:
-        """log p(targets[t] | tokens <= t) for every packed position t, fp32 [T] (chunked over the vocab GEMM)."""
-        h = self.hidden_states(input_ids, cu_seqlens, **kw)
-        recompute = self.mcfg.activation_checkpointing and torch.is_grad_enabled()
-        out = []
-        for c in range(0, h.shape[0], 1024):
-            args = (h[c:c + 1024], self.lm_head, targets[c:c + 1024])
-            # Recomputed in backward: a chunk's fp32 logits are 4 * vocab bytes per token (0.8 MB for M3)
-            out.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False) if recompute
-                       else _chunk_logprobs(*args))
-        return torch.cat(out)
-
-
-def _chunk_logprobs(h: torch.Tensor, lm_head: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = (h @ lm_head.t()).float()
-    return logits.log_softmax(-1).gather(1, targets[:, None])[:, 0]
+        """log p(targets[t] | tokens <= t) for every packed position t, fp32 [T] (the logits in row chunks)."""
+        return lm_head_logprobs(self.hidden_states(input_ids, cu_seqlens, **kw), self.lm_head, targets)

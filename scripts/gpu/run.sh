@@ -9,6 +9,8 @@
 #   bench_mxfp8           scripts/bench_mxfp8_linear.py --trainer (the trainer's projection shapes, 4 and 8 x 16K)
 #   slice:L:S:BASE[:P[:C]]  scripts/train_step_m3.py at M3 width: L layers, S x 16K tokens, BASE quantized|bf16,
 #                         activation checkpointing on, MoE chunks of C tokens (default 16384); P=1: the time split
+#   trainer_tests         pytest -m gpu: the trainer fast-paths test alone (tests/rl/model/test_trainer_gpu.py)
+#   block_tests           pytest -m gpu: the block-outer MSA kernels alone (tests/rl/model/test_msa_block_outer.py)
 #   msa_tests             pytest -m gpu: the MSA kernels (block-outer, per-token, flex) and the trainer fast-paths test
 #   bench_msa[:ARGS]      scripts/bench_msa.py (4K-64K, 1 and 4 sequences, vs dense SDPA) with extra ARGS, '+' for
 #                         spaces (e.g. bench_msa:--compare+triton+--sweep+32768); JSON to $OUT/bench_msa.json
@@ -34,6 +36,10 @@ for step in "$@"; do
       run "$name" "$(lim 240)" torchrun --nproc-per-node 1 scripts/train_step_m3.py --layers "$layers" --seq-len 16384 \
           --seqs-per-rank "$seqs" --steps 2 --base "$base" --shard-base 0 --moe-chunk-tokens "$chunk" --profile "$p" \
           --out "$OUT/$name.json" ;;
+    trainer_tests)
+      M3RL_GPU_REPORT="$OUT/trainer_gpu.json" run trainer_tests "$(lim 200)" $P tests/rl/model/test_trainer_gpu.py ;;
+    block_tests)
+      run block_tests "$(lim 200)" $P tests/rl/model/test_msa_block_outer.py ;;
     msa_tests)
       M3RL_GPU_REPORT="$OUT/trainer_gpu.json" run msa_tests "$(lim 300)" $P -s tests/rl/model/test_msa_block_outer.py \
           tests/rl/model/test_msa_triton.py tests/rl/model/test_msa.py tests/rl/model/test_trainer_gpu.py ;;

@@ -73,6 +73,9 @@ CASES = {  # name -> _case kwargs; tiny, as the interpreter runs every program i
                             item_tokens=64, order="size"),
     "atomic_dq_g3": dict(lengths=[200, 60], hq=6, hkv=2, dim=16, topk=2, dense_prefix_min=0, dq="atomic",
                          fwd_rows=12, bwd_rows=12),
+    # three kernel calls ([300], [77, 260], [290]), each with its own plan and dense prefix, in one autograd node
+    "sequence_groups": dict(lengths=[300, 77, 260, 290], hq=4, hkv=2, dim=16, topk=2, dense_prefix_min=1,
+                            item_tokens=16, group_tokens=340),
 }
 
 if __name__ == "__main__":  # the interpreter subprocess
@@ -90,8 +93,18 @@ def test_block_outer_under_the_interpreter_matches_reference():
         assert r["plan_mismatch"] == [], (name, r)
     # the cases reach what they are named for
     assert report["packed_dense_prefix"]["dense_tokens"] == 256 + 77 + 256
+    assert report["sequence_groups"]["dense_tokens"] == 256 + 77 + 256 + 256  # (one plan over all: the same count)
     assert report["no_prefix_init_split"]["empty_kernel_slots"] > 0  # -1 padding inside the kernels
     assert report["no_prefix_init_split"]["items"] > 2 * report["no_prefix_init_split"]["keys"]  # lists split
+
+
+def test_sequence_groups():
+    from rl.model.msa_block_outer import sequence_groups
+
+    bounds = [(0, 300), (300, 377), (377, 637), (637, 637), (637, 927)]
+    assert sequence_groups(bounds, 340) == [(0, 300), (300, 637), (637, 927)]
+    assert sequence_groups(bounds, 0) == [(0, 927)]
+    assert sequence_groups(bounds, 200) == [(0, 300), (300, 377), (377, 637), (637, 927)]
 
 
 def test_plan_groups_every_selection_once():
@@ -144,6 +157,7 @@ GPU_CASES = {  # id -> (lengths, init blocks, config overrides); {} = the defaul
     "packed_padding": ([1000, 3000, 96, 2100], 0, {}),  # sequences < 2048 tokens: -1 padded slots
     "32k": ([32768], 0, {}),
     "dense_prefix_sdpa": ([4096, 1500, 2600], 0, {"dense_prefix_min": 1024}),
+    "sequence_groups": ([3000, 5000, 2600, 4100], 0, {"group_tokens": 8000, "dense_prefix_min": 1024}),
     "all_short_sdpa": ([1000, 2048, 300, 744], 0, {}),  # every sequence <= 2048 tokens: SDPA per sequence
     "forced_init": ([6000, 2500], 2, {}),
     "fp32_parts_atomic_dq": ([5000], 1, {"part_dtype": "fp32", "dq": "atomic"}),

@@ -3,7 +3,7 @@ give the same token logprobs and LoRA gradients as the reference paths, on the q
 path ("auto") is the KV-block-outer kernel; the per-token one (`triton`) runs too.
 
 Runs of one batch: the CPU reference, the GPU with the reference paths (`attention_impl=reference`,
-`moe_impl=loop`), the GPU fast paths (`auto`), FlexAttention, the fast paths with activation checkpointing (and MoE token chunks), and the
+`moe_impl=loop`), the GPU fast paths (`auto`), FlexAttention, the fast paths with activation checkpointing (and MoE expert groups), and the
 bf16 base with its experts per expert vs in torch._grouped_mm, and every NVFP4 expert GEMM through the bf16 decode +
 cuBLAS path (quant.kernels.nvfp4_dequant). The grouped runs compute expert LoRA in grouped GEMMs. Every run after the first replays the CPU run's expert
 and MSA block choices. Every comparison is computed before any assertion and printed as one JSON line (and written
@@ -30,6 +30,9 @@ RUNS = {  # name -> (device, model config overrides)
     "gpu_bf16_grouped": ("cuda", {"base": "bf16", "moe_impl": "grouped"}),
     # every NVFP4 expert GEMM through the bf16 decode + cuBLAS path (the tiny model never reaches its threshold)
     "gpu_fast_dequant": ("cuda", {"activation_checkpointing": True, "_nvfp4_impl": "dequant"}),
+    # the same in expert groups: the decode path reads the group's offsets and scales from host lists
+    "gpu_fast_dequant_groups": ("cuda", {"activation_checkpointing": True, "moe_chunk_tokens": 256,
+                                         "_nvfp4_impl": "dequant"}),
 }
 
 
@@ -103,7 +106,8 @@ def test_gpu_fast_paths_match_reference(tmp_path):
               "ckpt_vs_fast": _compare(out["gpu_fast"], out["gpu_fast_ckpt"]),
               "moe_chunks_vs_fast": _compare(out["gpu_fast"], out["gpu_fast_ckpt_chunks"]),
               "bf16_grouped_vs_loop": _compare(out["gpu_bf16_loop"], out["gpu_bf16_grouped"]),
-              "nvfp4_dequant_vs_gpu_reference": _compare(out["gpu_reference"], out["gpu_fast_dequant"])}
+              "nvfp4_dequant_vs_gpu_reference": _compare(out["gpu_reference"], out["gpu_fast_dequant"]),
+              "nvfp4_dequant_groups_vs_gpu_reference": _compare(out["gpu_reference"], out["gpu_fast_dequant_groups"])}
     print(json.dumps(report))
     if os.environ.get("M3RL_GPU_REPORT"):
         with open(os.environ["M3RL_GPU_REPORT"], "w") as f:

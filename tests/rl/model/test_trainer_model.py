@@ -140,8 +140,8 @@ def test_activation_checkpointing_is_exact(setup, rollouts):
 
 
 def test_moe_token_chunks_match_one_pass(setup, rollouts):
-    """model.moe_chunk_tokens: routed experts per token chunk, each recomputed in backward; same results (up to the
-    per-expert GEMMs seeing fewer rows at a time)."""
+    """model.moe_chunk_tokens: routed experts per group of experts, each recomputed in backward; same results (up to
+    the order of fp32 sums)."""
     model = setup[1]
     r = rollouts[LONG]
     ids = torch.tensor(r.prompt_ids + r.token_ids)
@@ -164,7 +164,7 @@ def test_moe_token_chunks_match_one_pass(setup, rollouts):
 
 
 def test_activation_checkpointing_with_moe_chunks_is_exact(setup, rollouts):
-    """With MoE token chunks, activation checkpointing recomputes the attention half and the MoE's own chunks
+    """With MoE chunks, activation checkpointing recomputes the attention half and the MoE's own expert groups
     (DecoderLayer checkpoint_parts), not the whole layer: still the same logprobs and gradients as no recompute."""
     model = setup[1]
     r = rollouts[LONG]
