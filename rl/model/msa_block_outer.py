@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from m3.ops import MSA_BLOCK as BLOCK  # keys per program
 from rl.model.msa_block_plan import DEFAULT, Config, Plan, build_plan  # noqa: F401  (build_plan: re-exported)
-from rl.model.packed import seq_bounds
+from rl.model.packed import seq_bounds, sequence_groups
 
 try:  # module-level jit functions: Triton's interpreter resolves callees from module globals
     import triton
@@ -329,22 +329,6 @@ class _BlockOuter(torch.autograd.Function):
                       dk[s:e], dv[s:e])
             d_dense.append(do[s:e].index_select(0, plan.dense_idx) if has_dense else None)
         return dq, dk, dv, None, None, None, *d_dense
-
-
-def sequence_groups(bounds: list[tuple[int, int]], max_tokens: int) -> list[tuple[int, int]]:
-    """Token ranges [start, end) of consecutive sequences with at most max_tokens tokens each (0: one range); a longer
-    sequence is a range of its own."""
-    groups = []
-    for s, e in bounds:
-        if groups and e == s:  # an empty sequence: nothing to run (it ends where the last group ends)
-            continue
-        if groups and max_tokens and e - groups[-1][0] > max_tokens:
-            groups.append((s, e))
-        elif groups:
-            groups[-1] = (groups[-1][0], e)
-        else:
-            groups.append((s, e))
-    return groups
 
 
 def _causal_sdpa(q, k, v, spans, scale: float):

@@ -23,3 +23,19 @@ def token_positions(cu_seqlens, device=None) -> torch.Tensor:
     lens = torch.tensor([e - s for s, e in bounds], device=device)
     starts = torch.tensor([s for s, _ in bounds], device=device)
     return torch.arange(total, device=device) - starts.repeat_interleave(lens, output_size=total)
+
+
+def sequence_groups(bounds: list[tuple[int, int]], max_tokens: int) -> list[tuple[int, int]]:
+    """Token ranges [start, end) of consecutive sequences with at most max_tokens tokens each (0: one range); a longer
+    sequence is a range of its own."""
+    groups = []
+    for s, e in bounds:
+        if groups and e == s:  # an empty sequence: nothing to run (it ends where the last group ends)
+            continue
+        if groups and max_tokens and e - groups[-1][0] > max_tokens:
+            groups.append((s, e))
+        elif groups:
+            groups[-1] = (groups[-1][0], e)
+        else:
+            groups.append((s, e))
+    return groups

@@ -26,7 +26,7 @@ from rl.model.lean import (add_rows_, fp32_linear, fused_add_norm, lm_head_logpr
                            weighted_sum)
 from rl.model.lora import ExpertLoRA, LoRAConfig
 from rl.model.options import AttentionImpl, Base, DType, IndexerKVDType, KVCacheDType, MoEImpl, Profile, check_choice
-from rl.model.packed import token_positions
+from rl.model.packed import seq_bounds, sequence_groups, token_positions
 from rl.model.quantized_base import BaseWeights
 from rl.model.routing_replay import route, routing_agreement, validate_replay
 from rollout.capture import DENSE_LAYER
@@ -44,8 +44,9 @@ class TrainerModelConfig:
     attention_impl: str = "auto"  # MSA: "reference" (CPU), "block" / "triton" / "flex" (GPU), "auto"
     moe_impl: str = "auto"  # routed experts: "loop" (per expert), "grouped" (CUDA bf16: Triton NVFP4 / _grouped_mm)
     activation_checkpointing: bool = False  # recompute each decoder layer in backward (long sequences)
-    moe_chunk_tokens: int = 0  # > 0: routed experts in expert groups of ~this many tokens x top_k rows, each
-    # recomputed in backward (less memory)
+    moe_chunk_tokens: int = 0  # > 0 (with checkpointing, MoE layers): routed experts in expert groups of ~this many
+    # tokens x top_k rows and the attention half per group of whole sequences of <= this many tokens, each recomputed
+    # in backward (less memory)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def validate(self) -> None:
@@ -326,16 +327,42 @@ class DecoderLayer(nn.Module):
         x, residual = fused_add_norm(self.post_attention_layernorm, x, residual)
         return x, residual, own_blocks, block_agree, block_replayed
 
+    def _attention_in_groups(self, x, residual, rope, cu_seqlens, positions, replay_blocks, embed):
+        """The attention half under one checkpoint per group of whole sequences of <= moe_chunk_tokens tokens. MSA
+        never crosses a sequence and every other op is per token, so this is the math of one checkpoint over the
+        batch, but its recompute and backward hold one group's q / k / v / attention activations at a time (at
+        8 x 16K tokens one [T, 8192] bf16 tensor is 2.1 GB)."""
+        cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else [int(c) for c in cu_seqlens]
+        groups = sequence_groups(seq_bounds(cu), self.mlp.chunk_tokens)
+        parts = []
+        for s, e in groups:
+            sub_cu = [c - s for c in cu if s <= c <= e]
+            sub_cu = torch.tensor(sub_cu, dtype=cu_seqlens.dtype, device=cu_seqlens.device) \
+                if isinstance(cu_seqlens, torch.Tensor) else sub_cu
+            parts.append(torch.utils.checkpoint.checkpoint(
+                self._attention_part, x[s:e], None if residual is None else residual[s:e],
+                (rope[0][s:e], *rope[1:]), sub_cu, positions[s:e],
+                None if replay_blocks is None else replay_blocks[s:e], embed, use_reentrant=False))
+        if len(parts) == 1:
+            return parts[0]
+        xs, residuals, own, agree, replayed = zip(*parts)
+        tokens = [e - s for s, e in groups]
+
+        def mean(values):  # the agreement over all (token, head) rows, from each group's fraction
+            return None if values[0] is None else sum(v * n for v, n in zip(values, tokens)) / sum(tokens)
+
+        return (torch.cat(xs), torch.cat(residuals), None if own[0] is None else torch.cat(own), mean(agree),
+                mean(replayed))
+
     def forward(self, x, residual, rope, cu_seqlens, positions, replay_ids=None, replay_blocks=None,
                 checkpoint_parts=False, embed=None):
-        """checkpoint_parts (MoE layers, in training): recompute the attention half under one checkpoint and let
-        the MoE recompute its own parts. A layer-wide checkpoint around chunked experts would run them forward three
+        """checkpoint_parts (MoE layers, in training): recompute the attention half under checkpoints by groups of
+        sequences and let the MoE recompute its own parts. A layer-wide checkpoint around chunked experts would run them forward three
         times (forward, the layer's recompute, each chunk's recompute); this way twice, with the same memory bound.
         embed: the embedding table, when x holds the token ids (the first layer embeds them itself)."""
         args = (x, residual, rope, cu_seqlens, positions, replay_blocks, embed)
         if checkpoint_parts:
-            x, residual, own_blocks, block_agree, block_replayed = torch.utils.checkpoint.checkpoint(
-                self._attention_part, *args, use_reentrant=False)
+            x, residual, own_blocks, block_agree, block_replayed = self._attention_in_groups(*args)
         else:
             x, residual, own_blocks, block_agree, block_replayed = self._attention_part(*args)
         own_ids = used_ids = None

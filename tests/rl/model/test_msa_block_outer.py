@@ -99,7 +99,7 @@ def test_block_outer_under_the_interpreter_matches_reference():
 
 
 def test_sequence_groups():
-    from rl.model.msa_block_outer import sequence_groups
+    from rl.model.packed import sequence_groups
 
     bounds = [(0, 300), (300, 377), (377, 637), (637, 637), (637, 927)]
     assert sequence_groups(bounds, 340) == [(0, 300), (300, 637), (637, 927)]

@@ -192,6 +192,50 @@ def test_activation_checkpointing_with_moe_chunks_is_exact(setup, rollouts):
     assert all(torch.equal(g0[n], g1[n]) for n in g0)
 
 
+def test_attention_half_in_sequence_groups_is_exact(setup, rollouts):
+    """Under recompute with MoE chunks the attention half runs one checkpoint per group of whole sequences of
+    <= moe_chunk_tokens tokens: a packed batch split into two groups gives the logprobs and block agreement of no
+    recompute, its gradients up to the order of fp32 sums, and replaying the choices of that pass is followed in
+    every group."""
+    model = setup[1]
+    seqs = [rollouts[n].prompt_ids + rollouts[n].token_ids for n in (LONG, SHORT, LONG)]
+    fed = torch.tensor([t for ids in seqs for t in ids[:-1]])
+    targets = torch.tensor([t for ids in seqs for t in ids[1:]])
+    cu = torch.tensor([0, *np.cumsum([len(ids) - 1 for ids in seqs]).tolist()])
+    chunk = int(cu[2])  # groups: LONG + SHORT, then LONG
+    for layer in model.model.layers:
+        if layer.is_moe:
+            layer.mlp.chunk_tokens = chunk
+    results = []
+    try:
+        for ckpt, replay in ((False, {}), (True, {}), (True, "replay")):
+            model.mcfg.activation_checkpointing = ckpt
+            model.zero_grad(set_to_none=True)
+            stats = ForwardStats(keep_choices=not replay)
+            if replay:
+                routing, blocks = model.replay_arrays(results[0][2])
+                replay = {"routing": routing, "blocks": blocks}
+            lp = model.token_logprobs(fed, cu, targets, stats=stats, **replay)
+            lp.sum().backward()
+            results.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                          if p.grad is not None}, stats))
+    finally:
+        model.mcfg.activation_checkpointing = False
+        for layer in model.model.layers:
+            if layer.is_moe:
+                layer.mlp.chunk_tokens = 0
+        model.zero_grad(set_to_none=True)
+    (lp0, g0, s0), (lp1, g1, s1), (lp2, g2, s2) = results
+    assert torch.equal(lp0, lp1) and g0.keys() == g1.keys() and g0
+    # LoRA weight gradients sum over tokens: per group, then across groups (another fp32 order)
+    rel = max(float((g0[n] - g1[n]).norm() / g0[n].norm().clamp_min(1e-30)) for n in g0)
+    assert rel <= 1e-5, rel
+    assert s0.block_agreement and s0.block_agreement.keys() == s1.block_agreement.keys()
+    assert all(abs(s0.block_agreement[i] - s1.block_agreement[i]) <= 1e-6 for i in s0.block_agreement)
+    assert s2.blocks_replayed and all(v == 1.0 for v in s2.blocks_replayed.values())
+    assert torch.equal(lp0, lp2)  # the own choices, replayed: the same forward
+
+
 def test_grouped_experts_need_cuda(setup):
     from rl.model import TrainerModelConfig
 
