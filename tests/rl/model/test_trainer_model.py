@@ -5,6 +5,8 @@ strict subset there).
 Routing/block agreement is reported; with replay of the engine's choices it is 100%.
 """
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -139,6 +141,26 @@ def test_activation_checkpointing_is_exact(setup, rollouts):
     assert all(torch.equal(g0[n], g1[n]) for n in g0)
 
 
+@contextlib.contextmanager
+def moe_chunks(model, chunk: int):
+    """model.moe_chunk_tokens=chunk on the MoE layers inside the block; after it: no chunks, no recompute, no grads."""
+    for layer in model.model.layers:
+        if layer.is_moe:
+            layer.mlp.chunk_tokens = chunk
+    try:
+        yield
+    finally:
+        model.mcfg.activation_checkpointing = False
+        for layer in model.model.layers:
+            if layer.is_moe:
+                layer.mlp.chunk_tokens = 0
+        model.zero_grad(set_to_none=True)
+
+
+def lora_grads(model) -> dict:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 def test_moe_token_chunks_match_one_pass(setup, rollouts):
     """model.moe_chunk_tokens: routed experts per group of experts, each recomputed in backward; same results (up to
     the order of fp32 sums)."""
@@ -147,17 +169,10 @@ def test_moe_token_chunks_match_one_pass(setup, rollouts):
     ids = torch.tensor(r.prompt_ids + r.token_ids)
     results = []
     for chunk in (0, 97):
-        for layer in model.model.layers:
-            if layer.is_moe:
-                layer.mlp.chunk_tokens = chunk
-        model.zero_grad(set_to_none=True)
-        lp = model.token_logprobs(ids[:-1], torch.tensor([0, len(ids) - 1]), ids[1:])
-        lp.sum().backward()
-        results.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
-    for layer in model.model.layers:
-        if layer.is_moe:
-            layer.mlp.chunk_tokens = 0
-    model.zero_grad(set_to_none=True)
+        with moe_chunks(model, chunk):
+            lp = model.token_logprobs(ids[:-1], torch.tensor([0, len(ids) - 1]), ids[1:])
+            lp.sum().backward()
+            results.append((lp.detach(), lora_grads(model)))
     (lp0, g0), (lp1, g1) = results
     assert (lp0 - lp1).abs().max() <= 1e-5 and g0.keys() == g1.keys() and g0
     assert max(float((g0[n] - g1[n]).norm() / g0[n].norm().clamp_min(1e-30)) for n in g0) <= 1e-4
@@ -169,24 +184,14 @@ def test_activation_checkpointing_with_moe_chunks_is_exact(setup, rollouts):
     model = setup[1]
     r = rollouts[LONG]
     ids = torch.tensor(r.prompt_ids + r.token_ids)
-    for layer in model.model.layers:
-        if layer.is_moe:
-            layer.mlp.chunk_tokens = 97
     results = []
-    try:
+    with moe_chunks(model, 97):
         for ckpt in (False, True):
             model.mcfg.activation_checkpointing = ckpt
             model.zero_grad(set_to_none=True)
             lp = model.token_logprobs(ids[:-1], torch.tensor([0, len(ids) - 1]), ids[1:])
             lp.sum().backward()
-            results.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
-                                          if p.grad is not None}))
-    finally:
-        model.mcfg.activation_checkpointing = False
-        for layer in model.model.layers:
-            if layer.is_moe:
-                layer.mlp.chunk_tokens = 0
-        model.zero_grad(set_to_none=True)
+            results.append((lp.detach(), lora_grads(model)))
     (lp0, g0), (lp1, g1) = results
     assert torch.equal(lp0, lp1) and g0.keys() == g1.keys() and g0
     assert all(torch.equal(g0[n], g1[n]) for n in g0)
@@ -202,12 +207,8 @@ def test_attention_half_in_sequence_groups_is_exact(setup, rollouts):
     fed = torch.tensor([t for ids in seqs for t in ids[:-1]])
     targets = torch.tensor([t for ids in seqs for t in ids[1:]])
     cu = torch.tensor([0, *np.cumsum([len(ids) - 1 for ids in seqs]).tolist()])
-    chunk = int(cu[2])  # groups: LONG + SHORT, then LONG
-    for layer in model.model.layers:
-        if layer.is_moe:
-            layer.mlp.chunk_tokens = chunk
     results = []
-    try:
+    with moe_chunks(model, int(cu[2])):  # groups: LONG + SHORT, then LONG
         for ckpt, replay in ((False, {}), (True, {}), (True, "replay")):
             model.mcfg.activation_checkpointing = ckpt
             model.zero_grad(set_to_none=True)
@@ -217,14 +218,7 @@ def test_attention_half_in_sequence_groups_is_exact(setup, rollouts):
                 replay = {"routing": routing, "blocks": blocks}
             lp = model.token_logprobs(fed, cu, targets, stats=stats, **replay)
             lp.sum().backward()
-            results.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
-                                          if p.grad is not None}, stats))
-    finally:
-        model.mcfg.activation_checkpointing = False
-        for layer in model.model.layers:
-            if layer.is_moe:
-                layer.mlp.chunk_tokens = 0
-        model.zero_grad(set_to_none=True)
+            results.append((lp.detach(), lora_grads(model), stats))
     (lp0, g0, s0), (lp1, g1, s1), (lp2, g2, s2) = results
     assert torch.equal(lp0, lp1) and g0.keys() == g1.keys() and g0
     # LoRA weight gradients sum over tokens: per group, then across groups (another fp32 order)
