@@ -59,6 +59,9 @@ def parse_args(argv=None):
     p.add_argument("--profile", type=int, choices=(0, 1), default=0,
                    help="one more step under torch.profiler: GPU time split into expert / attention / projections / "
                         "LM head / other (forward, recompute and backward together)")
+    p.add_argument("--memory-peak", type=int, choices=(0, 1), default=0,
+                   help="CUDA: one more, untimed step under torch's allocator history; the blocks live at its peak "
+                        "by allocation site (scripts/cuda_memory_peak.py) go to ranks[].memory_at_peak")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
 
@@ -353,6 +356,12 @@ def main(argv=None) -> int:
         mine["saved_outside_checkpoints_gb"] = m["saved_by_op_gb"]
     if args.profile and cuda:
         mine["time_split"] = profile_step(model, optimizer, batch, token_adv, device)
+    if args.memory_peak and cuda:
+        import cuda_memory_peak
+
+        cuda_memory_peak.start()
+        step(model, optimizer, batch, token_adv, device)
+        mine["memory_at_peak"] = cuda_memory_peak.stop_and_summarize()
     ranks = [None] * world
     dist.all_gather_object(ranks, mine)
     if rank == 0:

@@ -7,8 +7,9 @@
 #   bench_expert          scripts/bench_expert_gemm.py: NVFP4 kernel vs decode+cuBLAS vs bf16 _grouped_mm at
 #                         64..32768 tokens, grouped expert LoRA vs the per-expert loop at 65,536 tokens
 #   bench_mxfp8           scripts/bench_mxfp8_linear.py --trainer (the trainer's projection shapes, 4 and 8 x 16K)
-#   slice:L:S:BASE[:P[:C]]  scripts/train_step_m3.py at M3 width: L layers, S x 16K tokens, BASE quantized|bf16,
-#                         activation checkpointing on, MoE chunks of C tokens (default 16384); P=1: the time split
+#   slice:L:S:BASE[:P[:C[:M]]]  scripts/train_step_m3.py at M3 width: L layers, S x 16K tokens, BASE quantized|bf16,
+#                         activation checkpointing on, MoE chunks of C tokens (default 16384); P=1: the time split;
+#                         M=1: what is live at the peak of one more step, by allocation site (--memory-peak)
 #   trainer_tests         pytest -m gpu: the trainer fast-paths test alone (tests/rl/model/test_trainer_gpu.py)
 #   block_tests           pytest -m gpu: the block-outer MSA kernels alone (tests/rl/model/test_msa_block_outer.py)
 #   msa_tests             pytest -m gpu: the MSA kernels (block-outer, per-token, flex) and the trainer fast-paths test
@@ -30,12 +31,12 @@ for step in "$@"; do
     bench_mxfp8)
       run bench_mxfp8 "$(lim 100)" python3 scripts/bench_mxfp8_linear.py --trainer --out "$OUT/bench_mxfp8.json" ;;
     slice:*)
-      IFS=: read -r _ layers seqs base prof chunk <<< "$step"
+      IFS=: read -r _ layers seqs base prof chunk mpeak <<< "$step"
       p=${prof:-0}; chunk=${chunk:-16384}
       name="slice${layers}x${seqs}_${base}$([ "$chunk" != 16384 ] && echo "_c$chunk")"
       run "$name" "$(lim 240)" torchrun --nproc-per-node 1 scripts/train_step_m3.py --layers "$layers" --seq-len 16384 \
           --seqs-per-rank "$seqs" --steps 2 --base "$base" --shard-base 0 --moe-chunk-tokens "$chunk" --profile "$p" \
-          --out "$OUT/$name.json" ;;
+          --memory-peak "${mpeak:-0}" --out "$OUT/$name.json" ;;
     trainer_tests)
       M3RL_GPU_REPORT="$OUT/trainer_gpu.json" run trainer_tests "$(lim 200)" $P tests/rl/model/test_trainer_gpu.py ;;
     block_tests)
@@ -61,6 +62,8 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
               "peak", round(r["peak_allocated_gb_max"], 1), "mem", {k: round(v, 1) for k, v in
                                                                    rk.get("memory_breakdown_gb", {}).items()},
               "split", rk.get("time_split"))
+        if "memory_at_peak" in rk:
+            print(name, "at peak", json.dumps(rk["memory_at_peak"]["live_at_peak_by_site_gb"]))
     elif name == "bench_msa.json":
         sys.path.insert(0, "scripts")
         from bench_msa import table
