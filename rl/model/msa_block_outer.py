@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from m3.ops import MSA_BLOCK as BLOCK  # keys per program
 from rl.model.msa_block_plan import DEFAULT, Config, Plan, build_plan  # noqa: F401  (build_plan: re-exported)
-from rl.model.packed import seq_bounds, sequence_groups
+from rl.model.packed import seq_bounds, sequence_group_spans
 
 try:  # module-level jit functions: Triton's interpreter resolves callees from module globals
     import triton
@@ -273,7 +273,7 @@ def _backward(q, k, v, o, lse, do, plan: Plan, scale: float, config: Config, dq,
     g = hq // hkv
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     ne, ni = t_count * hkv * topk, plan.n_max
-    bn = config.bwd_keys
+    tm, bn = _tokens(config.bwd_rows, g), config.bwd_keys
     nh = BLOCK // bn
     delta = torch.empty(t_count, hq, dtype=torch.float32, device=q.device)
     rows, r = t_count * hq, config.row_tile
@@ -287,9 +287,8 @@ def _backward(q, k, v, o, lse, do, plan: Plan, scale: float, config: Config, dq,
     if ni:
         _bwd[(ni, nh)](q, k, v, do, lse, delta, dq_buf, dks, dvs, plan.entries, plan.order, plan.item_key,
                        plan.item_lo, plan.item_hi, plan.kstart, t_count, plan.nkb, ne, scale * math.log2(math.e),
-                       HQ=hq, HKV=hkv, G=g, TOPK=topk, TM=_tokens(config.bwd_rows, g),
-                       BM=_p2(_tokens(config.bwd_rows, g) * g),
-                       BN=bn, D=dim, PREC=prec, DQ_ATOMIC=atomic, num_warps=config.bwd_warps,
+                       HQ=hq, HKV=hkv, G=g, TOPK=topk, TM=tm, BM=_p2(tm * g), BN=bn, D=dim, PREC=prec,
+                       DQ_ATOMIC=atomic, num_warps=config.bwd_warps,
                        num_stages=config.bwd_stages)
     if atomic:
         dq.copy_(dq_buf * scale)
@@ -360,8 +359,8 @@ def sparse_attention(q, k, v, block_ids, cu_seqlens, scale: float, config: Confi
     if triton is None:
         raise RuntimeError("rl.model.msa_block_outer needs Triton (CUDA, or TRITON_INTERPRET=1 for tests)")
     groups, dense = [], []
-    for s, e in sequence_groups(bounds, config.group_tokens):
-        plan = build_plan(block_ids[s:e], [b - s for b in [s] + [end for _, end in bounds if s < end <= e]], config)
+    for s, e, group_cu in sequence_group_spans(bounds, config.group_tokens):
+        plan = build_plan(block_ids[s:e], group_cu, config)
         groups.append((s, e, plan))
         dense.append(_dense_prefix(q[s:e], k[s:e], v[s:e], plan, scale))
     return _BlockOuter.apply(q, k, v, groups, scale, config, *dense)

@@ -39,3 +39,9 @@ def sequence_groups(bounds: list[tuple[int, int]], max_tokens: int) -> list[tupl
         else:
             groups.append((s, e))
     return groups
+
+
+def sequence_group_spans(bounds: list[tuple[int, int]], max_tokens: int) -> list[tuple[int, int, list[int]]]:
+    """sequence_groups with each group's own cu_seqlens (its sequences' ends, from the group's start)."""
+    return [(s, e, [0] + [end - s for _, end in bounds if s < end <= e])
+            for s, e in sequence_groups(bounds, max_tokens)]

@@ -26,7 +26,7 @@ from rl.model.lean import (add_rows_, fp32_linear, fused_add_norm, lm_head_logpr
                            weighted_sum)
 from rl.model.lora import ExpertLoRA, LoRAConfig
 from rl.model.options import AttentionImpl, Base, DType, IndexerKVDType, KVCacheDType, MoEImpl, Profile, check_choice
-from rl.model.packed import seq_bounds, sequence_groups, token_positions
+from rl.model.packed import seq_bounds, sequence_group_spans, token_positions
 from rl.model.quantized_base import BaseWeights
 from rl.model.routing_replay import route, routing_agreement, validate_replay
 from rollout.capture import DENSE_LAYER
@@ -332,13 +332,11 @@ class DecoderLayer(nn.Module):
         never crosses a sequence and every other op is per token, so this is the math of one checkpoint over the
         batch, but its recompute and backward hold one group's q / k / v / attention activations at a time (at
         8 x 16K tokens one [T, 8192] bf16 tensor is 2.1 GB)."""
-        cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else [int(c) for c in cu_seqlens]
-        groups = sequence_groups(seq_bounds(cu), self.mlp.chunk_tokens)
+        groups = sequence_group_spans(seq_bounds(cu_seqlens), self.mlp.chunk_tokens)
         parts = []
-        for s, e in groups:
-            sub_cu = [c - s for c in cu if s <= c <= e]
-            sub_cu = torch.tensor(sub_cu, dtype=cu_seqlens.dtype, device=cu_seqlens.device) \
-                if isinstance(cu_seqlens, torch.Tensor) else sub_cu
+        for s, e, sub_cu in groups:
+            if isinstance(cu_seqlens, torch.Tensor):
+                sub_cu = torch.tensor(sub_cu, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
             parts.append(torch.utils.checkpoint.checkpoint(
                 self._attention_part, x[s:e], None if residual is None else residual[s:e],
                 (rope[0][s:e], *rope[1:]), sub_cu, positions[s:e],
@@ -346,7 +344,7 @@ class DecoderLayer(nn.Module):
         if len(parts) == 1:
             return parts[0]
         xs, residuals, own, agree, replayed = zip(*parts)
-        tokens = [e - s for s, e in groups]
+        tokens = [e - s for s, e, _ in groups]
 
         def mean(values):  # the agreement over all (token, head) rows, from each group's fraction
             return None if values[0] is None else sum(v * n for v, n in zip(values, tokens)) / sum(tokens)
@@ -357,8 +355,9 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, rope, cu_seqlens, positions, replay_ids=None, replay_blocks=None,
                 checkpoint_parts=False, embed=None):
         """checkpoint_parts (MoE layers, in training): recompute the attention half under checkpoints by groups of
-        sequences and let the MoE recompute its own parts. A layer-wide checkpoint around chunked experts would run them forward three
-        times (forward, the layer's recompute, each chunk's recompute); this way twice, with the same memory bound.
+        sequences and let the MoE recompute its own parts. A layer-wide checkpoint around chunked experts would run
+        them forward three times (forward, the layer's recompute, each chunk's recompute); this way twice, with the
+        same memory bound.
         embed: the embedding table, when x holds the token ids (the first layer embeds them itself)."""
         args = (x, residual, rope, cu_seqlens, positions, replay_blocks, embed)
         if checkpoint_parts:
