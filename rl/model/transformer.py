@@ -140,8 +140,7 @@ class Attention(nn.Module):
                                         self.sparse["local"])
                 del iq, ik
             blocks = own
-            if replay_blocks is not None:
-                msa.validate_block_ids(replay_blocks, cu_seqlens, num_heads=self.kv_heads)
+            if replay_blocks is not None:  # validated by M3ForTraining.hidden_states
                 blocks = replay_blocks.to(own.device)
             agreement = msa.selection_agreement(own, blocks)
             if replay_blocks is not None:
@@ -431,6 +430,9 @@ class M3ForTraining(nn.Module):
             if blocks is not None and i in self.sparse_layers:
                 replay_blocks = torch.as_tensor(blocks)[:, self.sparse_layers.index(i)].to(input_ids.device,
                                                                                            torch.int32)
+                # Checked once per forward over the whole batch, not in the layer: its recompute and its sequence
+                # groups would check again, naming rows relative to a group
+                msa.validate_block_ids(replay_blocks, cu_seqlens, num_heads=layer.self_attn.kv_heads)
             args = (x, residual, rope, cu_seqlens, positions, replay_ids, replay_blocks)
             embed = self.model.embed_tokens if recompute and i == 0 else None
             if recompute and layer.is_moe and layer.mlp.chunk_tokens:
