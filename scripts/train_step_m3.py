@@ -19,6 +19,7 @@ base and of LoRA, and the step times; rank 0 writes one JSON document (stdout, a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -149,25 +150,21 @@ def step(model, optimizer, batch, token_adv, device, mem=None):
     if mem is not None:
         mem["before_forward"] = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    if mem is not None:  # what forward leaves for backward outside the checkpoints: the largest storages, by op
-        saved = {}
+    saved = {}  # what forward leaves for backward outside the checkpoints (mem only): the largest storages, by op
 
-        def pack(t):
-            key = (t.untyped_storage().data_ptr(), t.device)
-            op = type(t.grad_fn).__name__ if t.grad_fn is not None else "leaf/input"
-            saved.setdefault(key, (t.untyped_storage().nbytes(), op, str(tuple(t.shape)), str(t.dtype)))
-            return t
+    def pack(t):
+        key = (t.untyped_storage().data_ptr(), t.device)
+        op = type(t.grad_fn).__name__ if t.grad_fn is not None else "leaf/input"
+        saved.setdefault(key, (t.untyped_storage().nbytes(), op, str(tuple(t.shape)), str(t.dtype)))
+        return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            lp = model.token_logprobs(batch.input_ids.to(device), batch.cu_seqlens.to(device),
-                                      batch.targets.to(device))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if mem is not None else contextlib.nullcontext():
+        lp = model.token_logprobs(batch.input_ids.to(device), batch.cu_seqlens.to(device), batch.targets.to(device))
+    if mem is not None:
         by_op = {}
         for nbytes, op, shape, dtype in saved.values():
             by_op[f"{op} {shape} {dtype}"] = by_op.get(f"{op} {shape} {dtype}", 0) + nbytes
         mem["saved_by_op_gb"] = {k: round(v / GB, 2) for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])[:12]}
-    else:
-        lp = model.token_logprobs(batch.input_ids.to(device), batch.cu_seqlens.to(device),
-                                  batch.targets.to(device))
     mask = batch.response_mask.to(device)
     loss = -(token_adv.to(device) * lp)[mask].sum() / mask.sum()
     if mem is not None:
@@ -240,10 +237,10 @@ def _labelled(fn, name):
 
 def profile_step(model, optimizer, batch, token_adv, device) -> dict:
     """GPU kernel time of one step by what launched it. Forward and recomputed-forward kernels take the innermost
-    m3/<category> label around the call (routed experts incl. their LoRA and SwiGLU, not the weighted sum; attention incl. MSA and the indexer;
-    projections: every base linear with its LoRA, the shared expert's too; LM head); backward kernels take the label
-    of the forward op whose autograd node ran them (matched by sequence number). Everything else is "other" (norms,
-    routing, SwiGLU, the weighted sum, embedding, the optimizer)."""
+    m3/<category> label around the call (routed experts incl. their LoRA and SwiGLU, not the weighted sum; attention
+    incl. MSA and the indexer; projections: every base linear with its LoRA, the shared expert's too; LM head);
+    backward kernels take the label of the forward op whose autograd node ran them (matched by sequence number).
+    Everything else is "other" (norms, routing, the weighted sum, embedding, the optimizer)."""
     from quant import serving
     from rl.model import lora as lora_mod
     from rl.model import quantized_base
@@ -338,7 +335,8 @@ def main(argv=None) -> int:
             mems.append(mem)
     timed = times[args.warmup_steps:]
     mine = {"rank": rank, "build_s": round(build_s, 2), "step_s": [round(x, 3) for x in times],
-            "base_local_gb": base_bytes / GB, "packed_local_gb": packed_bytes / GB, "lora_local_gb": lora_bytes / GB, "loss": losses,
+            "base_local_gb": base_bytes / GB, "packed_local_gb": packed_bytes / GB, "lora_local_gb": lora_bytes / GB,
+            "loss": losses,
             "finite": all(map(lambda x: x == x and abs(x) != float("inf"), losses))}
     if cuda:
         peak = max(max(m["forward_peak"], m["backward_peak"]) for m in mems)
