@@ -38,7 +38,8 @@ from rl.model import msa  # noqa: E402
 # Earlier lists (tile rows, warps, stages, orders, item sizes, atomic dQ): results/gpu/run12c; 64-key backward
 # programs (fewer register spills, two dQ partials per block), 1 backward stage, 4 forward stages: run14 (all slower).
 SWEEP_FWD = [dict(), dict(item_tokens=256), dict(dense_prefix_min=1024)]
-SWEEP_BWD = [dict(), dict(item_tokens=256), dict(order="size"), dict(dense_prefix_min=1024)]
+SWEEP_BWD = [dict(), dict(bwd_kernel="triton"), dict(bwd_kernel="gluon", item_tokens=256),
+             dict(bwd_kernel="triton", item_tokens=256)]
 
 
 def parse_args():

@@ -19,15 +19,28 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
+# Integer arguments that are multiples of 16 at M3 sizes (T, blocks, entries at 4K-64K tokens): a launch specialises
+# them, and every pointer argument (torch allocations are 16-byte aligned), as 16-divisible. Without these hints the
+# compiler cannot prove 16-byte vectors and compiles a different kernel (no cp.async pipelining, spills).
+DIVISIBLE_INTS = ("T", "NKB", "NE")
+
+
 def compile_report(fn, types, constexprs, num_warps, num_stages, arch=90):
-    """Compile `fn` for sm_<arch>; registers / stack / static shared from cuobjdump, dynamic shared from Triton."""
+    """Compile `fn` for sm_<arch> as a launch would (alignment hints); registers / stack / static shared from
+    cuobjdump, dynamic shared from Triton."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    gluon = hasattr(fn, "is_gluon") and fn.is_gluon()
+    if gluon:
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource  # noqa: N814
+        constexprs = dict(constexprs, num_warps=num_warps)
     names = fn.arg_names
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
-    src = ASTSource(fn, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n not in constexprs and (sig[n].startswith("*") or n in DIVISIBLE_INTS)}
+    src = ASTSource(fn, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps,
                                                                                num_stages=num_stages))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -37,12 +50,14 @@ def compile_report(fn, types, constexprs, num_warps, num_stages, arch=90):
         out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
     usage = next(line for line in out.splitlines() if "REG:" in line)
     fields = dict(item.split(":") for item in usage.split() if ":" in item and item.split(":")[1].isdigit())
-    return {"kernel": fn.__name__, "warps": num_warps, "stages": num_stages, "registers": int(fields["REG"]),
+    return {"kernel": fn.__name__, "warps": num_warps, "stages": None if gluon else num_stages,
+            "registers": int(fields["REG"]),
             "stack_bytes": int(fields["STACK"]), "shared_bytes": k.metadata.shared}
 
 
 def main():
     from rl.model import msa_block_outer as mbo
+    from rl.model import msa_block_outer_gluon as mbog
     from rl.model import msa_block_plan as mbp
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -74,6 +89,7 @@ def main():
                        a.fwd_stages),
         compile_report(mbo._bwd, types, dict(shapes, TM=btm, BM=p2(btm * g), BN=a.bwd_keys, PREC="tf32",
                                              DQ_ATOMIC=False), a.bwd_warps, a.bwd_stages),
+        compile_report(mbog._bwd_gluon, types, dict(shapes, TM=btm, BM=p2(btm * g)), 8, 1),
         compile_report(mbo._merge, types, dict(shapes, R=a.row_tile, HAS_DENSE=False), 4, 3),
         compile_report(mbo._reduce_dq, types, dict(shapes, NH=128 // a.bwd_keys, R=a.row_tile), 4, 3),
     ]

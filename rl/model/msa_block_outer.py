@@ -43,6 +43,11 @@ from m3.ops import MSA_BLOCK as BLOCK  # keys per program
 from rl.model.msa_block_plan import DEFAULT, Config, Plan, build_plan  # noqa: F401  (build_plan: re-exported)
 from rl.model.packed import seq_bounds, sequence_group_spans
 
+try:
+    from rl.model.msa_block_outer_gluon import _bwd_gluon
+except ImportError:  # no Triton or no Gluon
+    _bwd_gluon = None
+
 try:  # module-level jit functions: Triton's interpreter resolves callees from module globals
     import triton
     import triton.language as tl
@@ -237,6 +242,16 @@ def _tokens(rows: int, g: int) -> int:
     return max(1, rows // g)
 
 
+def _use_gluon(q, config) -> bool:
+    """The Gluon backward (Hopper wgmma) for Config.bwd_kernel 'gluon', or 'auto' where it can run."""
+    fits = (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and config.bwd_keys == BLOCK
+            and config.dq == "partial" and torch.cuda.get_device_capability(q.device)[0] == 9)
+    if config.bwd_kernel == "gluon" and not (fits and _bwd_gluon is not None):
+        raise ValueError("Config.bwd_kernel='gluon' needs Gluon, an sm_90 device, bf16/fp16, bwd_keys=128, "
+                         "dq='partial'")
+    return config.bwd_kernel != "triton" and fits and _bwd_gluon is not None
+
+
 def _part_dtype(q, config):
     return torch.float32 if q.dtype == torch.float32 or config.part_dtype == "fp32" else q.dtype
 
@@ -284,7 +299,11 @@ def _backward(q, k, v, o, lse, do, plan: Plan, scale: float, config: Config, dq,
               torch.empty(nh * ne * g, dim, dtype=_part_dtype(q, config), device=q.device))
     dks = torch.empty(ni * BLOCK, dim, dtype=torch.float32, device=q.device)
     dvs = torch.empty_like(dks)
-    if ni:
+    if ni and _use_gluon(q, config):
+        _bwd_gluon[(ni,)](q, k, v, do, lse, delta, dq_buf, dks, dvs, plan.entries, plan.order, plan.item_key,
+                          plan.item_lo, plan.item_hi, plan.kstart, t_count, plan.nkb, scale * math.log2(math.e),
+                          HQ=hq, HKV=hkv, G=g, TOPK=topk, TM=tm, BM=_p2(tm * g), D=dim, num_warps=8)
+    elif ni:
         _bwd[(ni, nh)](q, k, v, do, lse, delta, dq_buf, dks, dvs, plan.entries, plan.order, plan.item_key,
                        plan.item_lo, plan.item_hi, plan.kstart, t_count, plan.nkb, ne, scale * math.log2(math.e),
                        HQ=hq, HKV=hkv, G=g, TOPK=topk, TM=tm, BM=_p2(tm * g), BN=bn, D=dim, PREC=prec,

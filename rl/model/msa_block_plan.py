@@ -37,6 +37,9 @@ class Config:
     bwd_keys: int = 128  # keys per backward program (64: two programs per item, half the dK/dV registers)
     bwd_warps: int = 8
     bwd_stages: int = 2
+    # "gluon": rl.model.msa_block_outer_gluon (Hopper, 128-key programs: MMAs overlapped with the softmax work),
+    # "triton": the Triton kernel (any device, the interpreter, 64-key programs); "auto": gluon where it runs
+    bwd_kernel: str = "auto"
     part_dtype: str = "bf16"  # storage of partial outputs / dQ partials: "bf16" or "fp32"
     dq: str = "partial"  # "partial" (per-entry partials, then a sum) or "atomic" (fp32 atomic adds)
     item_tokens: int = 512  # entries per work item

@@ -161,6 +161,7 @@ GPU_CASES = {  # id -> (lengths, init blocks, config overrides); {} = the defaul
     "all_short_sdpa": ([1000, 2048, 300, 744], 0, {}),  # every sequence <= 2048 tokens: SDPA per sequence
     "forced_init": ([6000, 2500], 2, {}),
     "fp32_parts_atomic_dq": ([5000], 1, {"part_dtype": "fp32", "dq": "atomic"}),
+    "triton_backward": ([4096, 3000], 1, {"bwd_kernel": "triton"}),  # the default on sm_90 is the Gluon kernel
     "half_blocks_size_order": ([5000], 0, {"bwd_keys": 64, "bwd_warps": 4, "order": "size", "fwd_rows": 128,
                                            "fwd_warps": 8}),
 }

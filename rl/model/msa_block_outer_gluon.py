@@ -1,0 +1,156 @@
+"""The block-outer MSA backward kernel (rl.model.msa_block_outer._bwd) written in Gluon for Hopper (sm_90).
+
+Same work split and outputs as the Triton kernel: one program per work item (KV head, 128-key block, <= item_tokens
+entries), tiles of TM tokens x G query heads, dK/dV summed in registers and stored to the item's scratch rows, dQ of
+each tile stored as a bf16 partial per entry row. What Gluon adds is the schedule Triton 3.6 does not emit for this
+loop: Triton waits on every MMA whose result is not a loop-carried accumulator right after issuing it, so the
+exponentials and dS run while the tensor cores idle (results/gpu: _bwd at ~46% of the bf16 matmul rate). Here
+- S^T = K Q^T and dP^T = V dO^T are issued together; P = exp2(S - lse) is computed while dP^T runs;
+- dV += P^T dO is issued before waiting for dP^T, so dS = P (dP - delta) is computed while it runs;
+- the next tile's gathered q/dO rows are copied (cp.async) into the other buffer while this tile computes, and its
+  entry ids two tiles ahead, so no global load latency is exposed inside the loop.
+Operands bf16, fp32 accumulation, P and dS rounded to bf16 before their MMAs, as in the Triton kernel: the same
+results up to accumulation order (the GPU tests compare the two).
+
+Gluon has no interpreter: this file only compiles on a machine with the full Triton, runs on sm_90+ CUDA devices, and is
+checked by the GPU tests (tests/rl/model/test_msa_block_outer.py -m gpu) and scripts/msa_kernel_resources.py (compiles it
+for sm_90 on a CPU machine).
+"""
+
+from __future__ import annotations
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+except ImportError:  # CPU installs without Triton, or a Triton without Gluon
+    gluon = None
+    _bwd_gluon = None
+
+
+if gluon is not None:
+    @gluon.jit
+    def _entry_rows(ent_ptr, base, hi, h, HQ: gl.constexpr, HKV: gl.constexpr, G: gl.constexpr,
+                    TOPK: gl.constexpr, TM: gl.constexpr, BM: gl.constexpr, layout: gl.constexpr):
+        # Rows of the tile at entries [base, base+TM) in `layout`: row r = entry base + r//G, query head h*G + r%G.
+        r = gl.arange(0, BM, layout=layout)
+        slot = base + r // G
+        ok = (r < TM * G) & (slot < hi)
+        e = gl.load(ent_ptr + slot, mask=ok, other=0)
+        return ok, slot, e // (HKV * TOPK) * HQ + h * G + r % G
+
+    @gluon.jit
+    def _copy_tile(q_buf, do_buf, e_buf, lse_buf, dl_buf, q_ptr, do_ptr, ent_ptr, lse_ptr, delta_ptr, ok, slot, qrow, d,
+                   D: gl.constexpr):
+        # One commit group: a tile's gathered q/dO rows and its entry ids / LSE / delta (masked rows: zeros).
+        rows = qrow[:, None] * D + d[None, :]
+        async_copy.async_copy_global_to_shared(q_buf, q_ptr + rows, mask=ok[:, None])
+        async_copy.async_copy_global_to_shared(do_buf, do_ptr + rows, mask=ok[:, None])
+        async_copy.async_copy_global_to_shared(e_buf, ent_ptr + slot, mask=ok)
+        async_copy.async_copy_global_to_shared(lse_buf, lse_ptr + qrow, mask=ok)
+        async_copy.async_copy_global_to_shared(dl_buf, delta_ptr + qrow, mask=ok)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _bwd_gluon(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dks_ptr, dvs_ptr, ent_ptr, order_ptr,
+                   key_ptr, lo_ptr, hi_ptr, kstart_ptr, T, NKB, qk_scale, HQ: gl.constexpr, HKV: gl.constexpr,
+                   G: gl.constexpr, TOPK: gl.constexpr, TM: gl.constexpr, BM: gl.constexpr, D: gl.constexpr,
+                   num_warps: gl.constexpr):
+        BN: gl.constexpr = 128  # keys per program: one MSA block
+        dt: gl.constexpr = q_ptr.dtype.element_ty  # bf16 or fp16 operands
+        # Layouts: coalesced 16-byte rows for global traffic; MMA accumulators with warps along the keys (M).
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+        row_l: gl.constexpr = gl.SliceLayout(1, ld)
+        col_l: gl.constexpr = gl.SliceLayout(0, ld)
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, BM, 16])  # S^T, dP^T: [BN keys, BM rows]
+        kv_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, D, 16])  # dK, dV: [BN, D]
+        dq_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
+                                                       instr_shape=[16, D // (num_warps // 4), 16])  # dQ: [BM, D]
+        a_kv: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_l, k_width=2)
+        a_dq: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_l, k_width=2)
+        scol_l: gl.constexpr = gl.SliceLayout(0, s_l)  # per tile row (a column of S^T)
+        srow_l: gl.constexpr = gl.SliceLayout(1, s_l)  # per key
+        kv_sh: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], dt)
+        q_sh: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], dt)
+        ds_sh: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BM], dt)
+        vec_sh: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+
+        k_s = gl.allocate_shared_memory(dt, [BN, D], kv_sh)
+        v_s = gl.allocate_shared_memory(dt, [BN, D], kv_sh)
+        q_s = gl.allocate_shared_memory(dt, [2, BM, D], q_sh)
+        do_s = gl.allocate_shared_memory(dt, [2, BM, D], q_sh)
+        ds_s = gl.allocate_shared_memory(dt, [BN, BM], ds_sh)
+        # Per-row values of a tile (entry id, LSE, delta) go through shared memory with its q/dO rows: held in
+        # registers in the S^T layout they would cost 16 registers each per tile in flight.
+        e_s = gl.allocate_shared_memory(gl.int32, [2, BM], vec_sh)
+        lse_s = gl.allocate_shared_memory(gl.float32, [2, BM], vec_sh)
+        dl_s = gl.allocate_shared_memory(gl.float32, [2, BM], vec_sh)
+
+        it = gl.load(order_ptr + gl.program_id(0)).to(gl.int32)
+        key = gl.load(key_ptr + it)
+        lo = gl.load(lo_ptr + it)
+        hi = gl.load(hi_ptr + it)
+        h = key // NKB
+        k0 = gl.load(kstart_ptr + key - h * NKB)
+        d = gl.arange(0, D, layout=col_l)
+        kidx = k0 + gl.arange(0, BN, layout=row_l)
+        kv_rows = (kidx[:, None] * HKV + h) * D + d[None, :]
+        async_copy.async_copy_global_to_shared(k_s, k_ptr + kv_rows, mask=(kidx < T)[:, None])
+        async_copy.async_copy_global_to_shared(v_s, v_ptr + kv_rows, mask=(kidx < T)[:, None])
+        async_copy.commit_group()
+        ok, slot, qrow = _entry_rows(ent_ptr, lo, hi, h, HQ, HKV, G, TOPK, TM, BM, row_l)
+        _copy_tile(q_s.index(0), do_s.index(0), e_s.index(0), lse_s.index(0), dl_s.index(0), q_ptr, do_ptr, ent_ptr,
+                   lse_ptr, delta_ptr, ok, slot, qrow, d, D)
+        n_ok, n_slot, n_qrow = _entry_rows(ent_ptr, lo + TM, hi, h, HQ, HKV, G, TOPK, TM, BM, row_l)
+        s_kidx = k0 + gl.arange(0, BN, layout=srow_l)
+        s_r = gl.arange(0, BM, layout=scol_l)
+        zero_s = gl.zeros([BN, BM], gl.float32, s_l)
+        zero_dq = gl.zeros([BM, D], gl.float32, dq_l)
+        dk = gl.zeros([BN, D], gl.float32, kv_l)
+        dv = gl.zeros([BN, D], gl.float32, kv_l)
+        dq_r = gl.arange(0, BM, layout=row_l)
+        n_tiles = (hi - lo + TM - 1) // TM
+        for i in range(n_tiles):
+            base = lo + i * TM
+            buf = i % 2
+            # Next tile into the other buffers (their last readers, tile i-1's MMAs and loads, are done).
+            _copy_tile(q_s.index(1 - buf), do_s.index(1 - buf), e_s.index(1 - buf), lse_s.index(1 - buf),
+                       dl_s.index(1 - buf), q_ptr, do_ptr, ent_ptr, lse_ptr, delta_ptr, n_ok, n_slot, n_qrow, d, D)
+            async_copy.wait_group(1)  # all but the copies just issued: K/V and this tile's rows are in
+            fence_async_shared()
+            qb = q_s.index(buf)
+            dob = do_s.index(buf)
+            st = warpgroup_mma(k_s, qb.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            dpt = warpgroup_mma(v_s, dob.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            # While the MMAs run: the entry ids two tiles ahead (addresses of the next iteration's copies).
+            n_ok, n_slot, n_qrow = _entry_rows(ent_ptr, base + 2 * TM, hi, h, HQ, HKV, G, TOPK, TM, BM, row_l)
+            c_ok = (s_r < TM * G) & (base + s_r // G < hi)
+            c_tok = e_s.index(buf).load(scol_l) // (HKV * TOPK)
+            c_lse = lse_s.index(buf).load(scol_l)
+            st = warpgroup_mma_wait(1, deps=(st, ))
+            vis = (s_kidx[:, None] <= c_tok[None, :]) & c_ok[None, :]
+            pt = gl.where(vis, gl.exp2(st * qk_scale - c_lse[None, :]), 0.0)
+            p_a = gl.convert_layout(pt.to(dt), a_kv)
+            dv = warpgroup_mma(p_a, dob, dv, is_async=True)
+            c_delta = dl_s.index(buf).load(scol_l)
+            dpt = warpgroup_mma_wait(1, deps=(dpt, ))
+            dst = (pt * (dpt - c_delta[None, :])).to(dt)
+            ds_a = gl.convert_layout(dst, a_kv)
+            dk = warpgroup_mma(ds_a, qb, dk, is_async=True)
+            ds_s.store(dst)
+            fence_async_shared()
+            dq = warpgroup_mma(ds_s.permute((1, 0)).load(a_dq), k_s, zero_dq, use_acc=False, is_async=True)
+            dq, dk, dv, p_a, ds_a = warpgroup_mma_wait(0, deps=(dq, dk, dv, p_a, ds_a))
+            q_ok = (dq_r < TM * G) & (base + dq_r // G < hi)
+            tile = dq_ptr + base.to(gl.int64) * (G * D)
+            gl.store(tile + dq_r[:, None] * D + d[None, :], gl.convert_layout(dq.to(dq_ptr.dtype.element_ty), ld),
+                     mask=q_ok[:, None])
+        async_copy.wait_group(0)
+        kr = gl.arange(0, BN, layout=gl.SliceLayout(1, kv_l))
+        kd = gl.arange(0, D, layout=gl.SliceLayout(0, kv_l))
+        srow = (it.to(gl.int64) * BN + kr)[:, None] * D + kd[None, :]
+        gl.store(dks_ptr + srow, dk)
+        gl.store(dvs_ptr + srow, dv)
