@@ -37,9 +37,10 @@ from rl.model import msa  # noqa: E402
 # Config fields changed from rl.model.msa_block_outer.DEFAULT: SWEEP_FWD timed forward only, SWEEP_BWD forward+backward.
 # Earlier lists (tile rows, warps, stages, orders, item sizes, atomic dQ): results/gpu/run12c; 64-key backward
 # programs (fewer register spills, two dQ partials per block), 1 backward stage, 4 forward stages: run14 (all slower).
-SWEEP_FWD = [dict(), dict(item_tokens=256), dict(dense_prefix_min=1024)]
-SWEEP_BWD = [dict(), dict(bwd_kernel="triton"), dict(bwd_kernel="gluon", item_tokens=256),
-             dict(bwd_kernel="triton", item_tokens=256)]
+# Gluon backward (run21-23): 256-token items, dQ stored while the next tile's MMAs run (run22), dQ stored straight from
+# the MMA layout, dQ issued before dK (run23): all slower than the default.
+SWEEP_FWD = [dict(), dict(row_tile=64), dict(order="size")]
+SWEEP_BWD = [dict(), dict(bwd_kernel="triton"), dict(order="size"), dict(row_tile=64)]
 
 
 def parse_args():
