@@ -1,5 +1,6 @@
-"""Compile the block-outer MSA kernels (rl.model.msa_block_outer) for Hopper without a GPU; print registers, spills
-and shared memory per kernel as JSON (what METHOD.md calls the compiler's resource report; no device time).
+"""Compile the block-outer MSA kernels (rl.model.msa_block_outer, _gluon) for Hopper without a GPU; print registers,
+spills, shared memory and whether ptxas serialized the wgmma pipeline, per kernel, as JSON (what METHOD.md calls the
+compiler's resource report; no device time).
 
     PYTHONPATH=.venv/triton-interpret python scripts/msa_kernel_resources.py                # M3 shapes, the defaults
     PYTHONPATH=.venv/triton-interpret python scripts/msa_kernel_resources.py --bwd-warps 4 --bwd-keys 64
@@ -49,10 +50,18 @@ def compile_report(fn, types, constexprs, num_warps, num_stages, arch=90):
         tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
         out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
     usage = next(line for line in out.splitlines() if "REG:" in line)
+    # ptxas's own report: whether it had to serialize the wgmma pipeline (C7514, a silent slowdown otherwise)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(k.asm["ptx"])
+        f.flush()
+        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+        info = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", f.name, "-o", os.devnull], capture_output=True,
+                              text=True, check=True).stderr
     fields = dict(item.split(":") for item in usage.split() if ":" in item and item.split(":")[1].isdigit())
     return {"kernel": fn.__name__, "warps": num_warps, "stages": None if gluon else num_stages,
             "registers": int(fields["REG"]),
-            "stack_bytes": int(fields["STACK"]), "shared_bytes": k.metadata.shared}
+            "stack_bytes": int(fields["STACK"]), "shared_bytes": k.metadata.shared,
+            "wgmma_serialized": "C7514" in info}
 
 
 def main():
