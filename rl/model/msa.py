@@ -25,7 +25,7 @@ import torch.utils.checkpoint
 
 from m3.ops import FORCED_INIT_SCORE, FORCED_LOCAL_SCORE, NAN_SCORE
 from m3.ops import MSA_BLOCK as BLOCK  # also the FlexAttention tile size below
-from rl.model.packed import seq_bounds, token_positions
+from rl.model.packed import seq_bounds, to_device, token_positions
 # Transient fp32 score memory per chunk. Both chunked loops are exact: chunking only splits independent queries.
 SELECT_CHUNK_BYTES = 512 << 20
 REFERENCE_CHUNK_BYTES = 512 << 20
@@ -138,7 +138,7 @@ def validate_block_ids(
     pos = token_positions(cu_seqlens, ids.device)
     visible = (pos // BLOCK + 1)[:, None, None]
     seq_of = torch.bucketize(torch.arange(total, device=ids.device),
-                             torch.tensor([e for _, e in bounds], device=ids.device), right=True)
+                             to_device([e for _, e in bounds], ids.device), right=True)
 
     def fail(bad: torch.Tensor, what: str):
         rows = bad.reshape(t_count, heads, -1).any(-1)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from m3.ops import MSA_BLOCK as BLOCK  # keys per program
-from rl.model.packed import seq_bounds
+from rl.model.packed import seq_bounds, to_device
 
 try:  # module-level jit functions: Triton's interpreter resolves callees from module globals
     import triton
@@ -114,7 +114,7 @@ def build_plan(block_ids: torch.Tensor, cu_seqlens, config: Config = DEFAULT) ->
     seq, kstart, kend, prefixes, nkb = _host_tables(bounds, topk, config)
     nseq, ne = len(seq), t_count * hkv * topk
     n_max = hkv * nkb + -(-ne // config.item_tokens)  # each key adds < 1 item to its share of ceil(NE / item_tokens)
-    host = torch.tensor([x for row in seq for x in row] + kstart + kend, dtype=torch.int32).to(device)
+    host = to_device([x for row in seq for x in row] + kstart + kend, device, torch.int32)
     seq_d, kstart_d, kend_d = host.split([3 * nseq, nkb, nkb])
     if triton is not None:
         tables = _plan_triton(block_ids, seq_d, nseq, nkb, n_max, config)

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 import torch
 
 from m3.ops import MSA_BLOCK as BLOCK  # one key tile
+from rl.model.packed import seq_bounds, to_device
+
 CHUNK_GROUPS = 256  # dK/dV: groups per program before a block's list is split (atomic adds)
 
 
@@ -280,19 +282,15 @@ def index_block_scores(index_q: torch.Tensor, index_k: torch.Tensor, cu_seqlens,
     if not q.is_cuda:  # Triton's CPU interpreter mishandles bf16 dots: the same (bf16-valued) numbers in fp32
         q, k = q.float(), k.float()
     q, k = q.contiguous(), k.contiguous()
-    cu = torch.as_tensor(cu_seqlens, device=device).long()
-    lens = cu[1:] - cu[:-1]
-    nb = int((lens.max() + BLOCK - 1) // BLOCK) if t_count else 0
-    tiles = (lens + queries_per_tile - 1) // queries_per_tile
-    seq = torch.repeat_interleave(torch.arange(len(lens), device=device), tiles)
-    j = torch.arange(len(seq), device=device) - (torch.cumsum(tiles, 0) - tiles)[seq]
-    q0 = cu[seq] + j * queries_per_tile
-    q1 = torch.minimum(q0 + queries_per_tile, cu[seq + 1])
+    # Query tiles from the host offsets, copied in one non-blocking transfer: no device->host sync in the layer
+    bounds = seq_bounds(cu_seqlens)
+    nb = max((-(-(e - s) // BLOCK) for s, e in bounds), default=0) if t_count else 0
+    tiles = [(q0, min(q0 + queries_per_tile, e), s) for s, e in bounds for q0 in range(s, e, queries_per_tile)]
     scores = torch.full((t_count, heads, max(nb, 1)), float("-inf"), dtype=torch.float32, device=device)
-    if len(seq):
-        i32 = lambda x: x.to(torch.int32).contiguous()  # noqa: E731
-        kernel[(len(seq), heads)](q, k, scores, i32(q0), i32(q1), i32(cu[seq]), scores.shape[2], HI=heads, D=dim,
-                                  BQ=queries_per_tile, PREC="tf32" if q.is_cuda else "ieee")
+    if tiles:
+        q0, q1, start = to_device([x for col in zip(*tiles) for x in col], device, torch.int32).split(len(tiles))
+        kernel[(len(tiles), heads)](q, k, scores, q0, q1, start, scores.shape[2], HI=heads, D=dim,
+                                    BQ=queries_per_tile, PREC="tf32" if q.is_cuda else "ieee")
     return scores.permute(1, 0, 2)
 
 

@@ -16,12 +16,27 @@ def seq_bounds(cu_seqlens: torch.Tensor | Sequence[int]) -> list[tuple[int, int]
     return list(zip(cu[:-1], cu[1:]))
 
 
+def host_offsets(cu_seqlens: torch.Tensor | Sequence[int]) -> list[int]:
+    """cu_seqlens as a host list (one device->host copy for a CUDA tensor): the form to hand to every layer, whose
+    MSA calls would otherwise each read a device tensor back (a host sync per call)."""
+    return [0] + [e for _, e in seq_bounds(cu_seqlens)]
+
+
+def to_device(values: Sequence[int], device, dtype=torch.int64) -> torch.Tensor:
+    """A small host list on `device` without a host sync: to CUDA through pinned memory, non-blocking (a copy from
+    pageable memory waits until the stream has run everything queued before it)."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def token_positions(cu_seqlens, device=None) -> torch.Tensor:
     """Position of every packed token inside its own sequence (int64 [T])."""
     bounds = seq_bounds(cu_seqlens)
     total = bounds[-1][1]
-    lens = torch.tensor([e - s for s, e in bounds], device=device)
-    starts = torch.tensor([s for s, _ in bounds], device=device)
+    device = device or "cpu"
+    lens, starts = to_device([e - s for s, e in bounds] + [s for s, _ in bounds], device).split(len(bounds))
     return torch.arange(total, device=device) - starts.repeat_interleave(lens, output_size=total)
 
 

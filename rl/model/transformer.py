@@ -26,7 +26,7 @@ from rl.model.lean import (add_rows_, fp32_linear, fused_add_norm, lm_head_logpr
                            weighted_sum)
 from rl.model.lora import ExpertLoRA, LoRAConfig
 from rl.model.options import AttentionImpl, Base, DType, IndexerKVDType, KVCacheDType, MoEImpl, Profile, check_choice
-from rl.model.packed import seq_bounds, sequence_group_spans, token_positions
+from rl.model.packed import host_offsets, seq_bounds, sequence_group_spans, token_positions
 from rl.model.quantized_base import BaseWeights
 from rl.model.routing_replay import route, routing_agreement, validate_replay
 from rollout.capture import DENSE_LAYER
@@ -334,8 +334,6 @@ class DecoderLayer(nn.Module):
         groups = sequence_group_spans(seq_bounds(cu_seqlens), self.mlp.chunk_tokens)
         parts = []
         for s, e, sub_cu in groups:
-            if isinstance(cu_seqlens, torch.Tensor):
-                sub_cu = torch.tensor(sub_cu, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
             parts.append(torch.utils.checkpoint.checkpoint(
                 self._attention_part, x[s:e], None if residual is None else residual[s:e],
                 (rope[0][s:e], *rope[1:]), sub_cu, positions[s:e],
@@ -414,6 +412,9 @@ class M3ForTraining(nn.Module):
     def hidden_states(self, input_ids, cu_seqlens, routing=None, blocks=None, stats: ForwardStats | None = None):
         """Final hidden states [T, H]. routing: engine expert ids [T, num_layers, top_k] (None: own top-k);
         blocks: engine MSA block ids [T, num_sparse_layers, kv_heads, topk] (None: own selection)."""
+        # Offsets on the host from here on: each layer's MSA calls (and each sequence group's) read them without a
+        # device->host sync, which would drain the launch queue every time
+        cu_seqlens = host_offsets(cu_seqlens)
         positions = token_positions(cu_seqlens, input_ids.device)
         if routing is not None:
             validate_replay(torch.as_tensor(routing), len(input_ids), len(self.model.layers),
