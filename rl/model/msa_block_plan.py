@@ -54,6 +54,15 @@ class Config:
     order: str = "token"  # launch order of work items: "size" (largest first) or "token" (by first token: programs
     # running together read the same tokens' q/dO, which may then come from L2)
 
+    def __post_init__(self):
+        choices = {"part_dtype": ("bf16", "fp32"), "dq": ("partial", "atomic"), "order": ("size", "token"),
+                   "bwd_kernel": ("auto", "gluon", "triton")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"msa_block_outer Config.{name}={getattr(self, name)!r}: expected one of {allowed}")
+        if self.bwd_keys not in (64, 128):
+            raise ValueError(f"msa_block_outer Config.bwd_keys={self.bwd_keys}: expected 64 or 128")
+
 
 DEFAULT = Config()
 

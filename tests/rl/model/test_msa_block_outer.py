@@ -107,6 +107,15 @@ def test_sequence_groups():
     assert sequence_groups(bounds, 200) == [(0, 300), (300, 377), (377, 637), (637, 927)]
 
 
+def test_config_rejects_unknown_choices():
+    from rl.model import msa_block_outer as mbo
+
+    for bad in (dict(bwd_kernel="glu0n"), dict(dq="atomics"), dict(order="lpt"), dict(part_dtype="fp16"),
+                dict(bwd_keys=96)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            mbo.Config(**bad)
+
+
 def test_plan_groups_every_selection_once():
     """CPU, no Triton: the inverted lists hold each (sparse token, head, slot) selection exactly once."""
     from rl.model import msa_block_outer as mbo
