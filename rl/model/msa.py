@@ -173,10 +173,16 @@ def block_sets_equal(ids_a: torch.Tensor, ids_b: torch.Tensor) -> torch.Tensor:
     return (ids_a.long().sort(-1).values == ids_b.long().sort(-1).values).all(-1)
 
 
+def selection_match_rate(ids_a: torch.Tensor, ids_b: torch.Tensor) -> torch.Tensor:
+    """selection_agreement as a 0-d tensor on the ids' device: no host sync where it is computed (each layer, and
+    each sequence group, of the trainer's forward and recompute); the trainer reads it after the forward."""
+    equal = block_sets_equal(ids_a, ids_b)
+    return equal.float().mean() if equal.numel() else torch.ones((), device=equal.device)
+
+
 def selection_agreement(ids_a: torch.Tensor, ids_b: torch.Tensor) -> float:
     """Fraction of (query, head) rows whose block sets match, e.g. trainer selection vs engine replay."""
-    equal = block_sets_equal(ids_a, ids_b)
-    return float(equal.float().mean()) if equal.numel() else 1.0
+    return float(selection_match_rate(ids_a, ids_b))
 
 
 # --- attention ---------------------------------------------------------------------------------------------------

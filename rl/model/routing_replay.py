@@ -38,6 +38,11 @@ def validate_replay(ids: torch.Tensor, num_tokens: int, num_layers: int, top_k: 
         raise ValueError(f"routing replay: token {t} layer {moe_layers[l]} repeats an expert: {moe[t, l].tolist()}")
 
 
+def routing_match_rate(own: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
+    """routing_agreement as a 0-d tensor on the ids' device (no host sync inside the forward)."""
+    return (own.sort(-1).values == used.sort(-1).values).all(-1).float().mean()
+
+
 def routing_agreement(own: torch.Tensor, used: torch.Tensor) -> float:
     """Fraction of tokens whose own expert set equals the one used (1.0 without replay)."""
-    return float((own.sort(-1).values == used.sort(-1).values).all(-1).float().mean())
+    return float(routing_match_rate(own, used))

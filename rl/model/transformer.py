@@ -28,7 +28,7 @@ from rl.model.lora import ExpertLoRA, LoRAConfig
 from rl.model.options import AttentionImpl, Base, DType, IndexerKVDType, KVCacheDType, MoEImpl, Profile, check_choice
 from rl.model.packed import host_offsets, seq_bounds, sequence_group_spans, token_positions
 from rl.model.quantized_base import BaseWeights
-from rl.model.routing_replay import route, routing_agreement, validate_replay
+from rl.model.routing_replay import route, routing_match_rate, validate_replay
 from rollout.capture import DENSE_LAYER
 
 
@@ -142,9 +142,9 @@ class Attention(nn.Module):
             blocks = own
             if replay_blocks is not None:  # validated by M3ForTraining.hidden_states
                 blocks = replay_blocks.to(own.device)
-            agreement = msa.selection_agreement(own, blocks)
+            agreement = msa.selection_match_rate(own, blocks)
             if replay_blocks is not None:
-                replayed = msa.selection_agreement(blocks, replay_blocks)
+                replayed = msa.selection_match_rate(blocks, replay_blocks)
         else:
             blocks = all_visible_blocks(positions, self.kv_heads)
         out = msa.sparse_attention(q, k, v, blocks, cu_seqlens, self.head_dim ** -0.5, impl=self.impl,
@@ -448,14 +448,18 @@ class M3ForTraining(nn.Module):
                 if replayed_b is not None:
                     stats.blocks_replayed[i] = replayed_b
             if stats is not None and own_ids is not None:
-                stats.routing_agreement[i] = routing_agreement(own_ids, used_ids)
+                stats.routing_agreement[i] = routing_match_rate(own_ids, used_ids)
                 if replay_ids is not None:
-                    stats.routing_replayed[i] = routing_agreement(used_ids, replay_ids)
+                    stats.routing_replayed[i] = routing_match_rate(used_ids, replay_ids)
             if stats is not None and stats.keep_choices:
                 if used_ids is not None:
                     stats.expert_ids[i] = used_ids.detach()
                 if own_b is not None:
                     stats.block_ids[i] = (replay_blocks if replay_blocks is not None else own_b).detach()
+        if stats is not None:  # the agreements as floats, read once the whole forward is queued
+            for rates in (stats.routing_agreement, stats.block_agreement, stats.routing_replayed,
+                          stats.blocks_replayed):
+                rates.update({i: float(r) for i, r in rates.items()})
         x, _ = fused_add_norm(self.model.norm, x, residual)
         return x
 
