@@ -16,9 +16,9 @@ matmul rate, was 46%). Tried and slower (run22, run23): storing dQ while the nex
 serializes the MMAs: an accumulator is read inside the MMA pipeline), storing dQ straight from the MMA layout
 (uncoalesced), issuing dQ before dK.
 
-Gluon has no interpreter: this file only compiles on a machine with the full Triton, runs on sm_90+ CUDA devices, and is
-checked by the GPU tests (tests/rl/model/test_msa_block_outer.py -m gpu) and scripts/msa_kernel_resources.py (compiles it
-for sm_90 on a CPU machine).
+Gluon has no interpreter: the kernel runs on sm_90 only (wgmma is Hopper's; msa_block_outer picks the Triton kernel
+elsewhere). The GPU tests (tests/rl/model/test_msa_block_outer.py -m gpu) check its results; make test compiles it
+for sm_90 on the CPU (tests/rl/model/test_msa_kernel_resources.py: no spills, fits, wgmma not serialized).
 """
 
 from __future__ import annotations
