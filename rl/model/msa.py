@@ -37,6 +37,7 @@ REFERENCE_CHUNK_BYTES = 512 << 20
 def select_blocks(
     index_q: torch.Tensor, index_k: torch.Tensor, cu_seqlens, topk: int, init_blocks: int, local_blocks: int, *,
     index_dtype: torch.dtype | None = torch.bfloat16, chunk_size: int | None = None, impl: str = "auto",
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """vLLM's MSA block selection on a packed batch: index_q [T, H, D], index_k [T, D] -> int32 [T, H, topk].
 
@@ -45,6 +46,7 @@ def select_blocks(
     Queries are processed in chunks so the fp32 score buffer stays under SELECT_CHUNK_BYTES.
     impl: "reference" (this torch code), "triton" (rl.model.msa_triton's scoring kernel, then the same choice; bf16
     index q/k only), "auto" (triton on CUDA with index_dtype bf16).
+    positions: `token_positions(cu_seqlens)` on index_q's device, when the caller has them (the trainer's layers).
     """
     t_count, heads, dim = index_q.shape
     if index_k.shape != (t_count, dim):
@@ -55,7 +57,9 @@ def select_blocks(
         from rl.model import msa_triton  # imports Triton: only on this path
 
         scores = msa_triton.index_block_scores(index_q, index_k, cu_seqlens)
-        return top_blocks(scores, token_positions(cu_seqlens, index_q.device), topk, init_blocks, local_blocks)
+        if positions is None:
+            positions = token_positions(cu_seqlens, index_q.device)
+        return top_blocks(scores, positions, topk, init_blocks, local_blocks)
     if index_dtype is not None:
         index_q, index_k = index_q.to(index_dtype), index_k.to(index_dtype)
     out = torch.full((t_count, heads, topk), -1, dtype=torch.int32, device=index_q.device)

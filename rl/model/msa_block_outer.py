@@ -35,6 +35,7 @@ partials), the plan 0.3 ms of GPU time.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -243,14 +244,16 @@ def _tokens(rows: int, g: int) -> int:
     return max(1, rows // g)
 
 
-def _use_gluon(q, config) -> bool:
-    """The Gluon backward (Hopper wgmma) for Config.bwd_kernel 'gluon', or 'auto' where it can run."""
-    fits = (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and config.bwd_keys == BLOCK
-            and config.dq == "partial" and torch.cuda.get_device_capability(q.device)[0] == 9)
-    if config.bwd_kernel == "gluon" and not (fits and _bwd_gluon is not None):
+def _backward_kernel(q, config) -> str:
+    """Config.bwd_kernel resolved for these inputs: 'gluon' (Hopper wgmma) where it runs and was asked for or 'auto',
+    else 'triton'; a 'gluon' request that cannot run fails here, before the forward."""
+    fits = (_bwd_gluon is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+            and config.bwd_keys == BLOCK and config.dq == "partial"
+            and torch.cuda.get_device_capability(q.device)[0] == 9)
+    if config.bwd_kernel == "gluon" and not fits:
         raise ValueError("Config.bwd_kernel='gluon' needs Gluon, an sm_90 device, bf16/fp16, bwd_keys=128, "
                          "dq='partial'")
-    return config.bwd_kernel != "triton" and fits and _bwd_gluon is not None
+    return "gluon" if config.bwd_kernel != "triton" and fits else "triton"
 
 
 def _part_dtype(q, config):
@@ -300,13 +303,14 @@ def _backward(q, k, v, o, lse, do, plan: Plan, scale: float, config: Config, dq,
               torch.empty(nh * ne * g, dim, dtype=_part_dtype(q, config), device=q.device))
     dks = torch.empty(ni * BLOCK, dim, dtype=torch.float32, device=q.device)
     dvs = torch.empty_like(dks)
-    if ni and _use_gluon(q, config):
+    qk_scale = scale * math.log2(math.e)
+    if ni and config.bwd_kernel == "gluon":  # resolved by sparse_attention
         _bwd_gluon[(ni,)](q, k, v, do, lse, delta, dq_buf, dks, dvs, plan.entries, plan.order, plan.item_key,
-                          plan.item_lo, plan.item_hi, plan.kstart, t_count, plan.nkb, scale * math.log2(math.e),
+                          plan.item_lo, plan.item_hi, plan.kstart, t_count, plan.nkb, qk_scale,
                           HQ=hq, HKV=hkv, G=g, TOPK=topk, TM=tm, BM=_p2(tm * g), D=dim, num_warps=8)
     elif ni:
         _bwd[(ni, nh)](q, k, v, do, lse, delta, dq_buf, dks, dvs, plan.entries, plan.order, plan.item_key,
-                       plan.item_lo, plan.item_hi, plan.kstart, t_count, plan.nkb, ne, scale * math.log2(math.e),
+                       plan.item_lo, plan.item_hi, plan.kstart, t_count, plan.nkb, ne, qk_scale,
                        HQ=hq, HKV=hkv, G=g, TOPK=topk, TM=tm, BM=_p2(tm * g), BN=bn, D=dim, PREC=prec,
                        DQ_ATOMIC=atomic, num_warps=config.bwd_warps,
                        num_stages=config.bwd_stages)
@@ -378,6 +382,7 @@ def sparse_attention(q, k, v, block_ids, cu_seqlens, scale: float, config: Confi
         return _causal_sdpa(q, k, v, [(s, e - s) for s, e in bounds if e > s], scale)
     if triton is None:
         raise RuntimeError("rl.model.msa_block_outer needs Triton (CUDA, or TRITON_INTERPRET=1 for tests)")
+    config = dataclasses.replace(config, bwd_kernel=_backward_kernel(q, config))
     groups, dense = [], []
     for s, e, group_cu in sequence_group_spans(bounds, config.group_tokens):
         plan = build_plan(block_ids[s:e], group_cu, config)

@@ -284,7 +284,7 @@ def index_block_scores(index_q: torch.Tensor, index_k: torch.Tensor, cu_seqlens,
     q, k = q.contiguous(), k.contiguous()
     # Query tiles from the host offsets, copied in one non-blocking transfer: no device->host sync in the layer
     bounds = seq_bounds(cu_seqlens)
-    nb = max((-(-(e - s) // BLOCK) for s, e in bounds), default=0) if t_count else 0
+    nb = max((-(-(e - s) // BLOCK) for s, e in bounds), default=0)
     tiles = [(q0, min(q0 + queries_per_tile, e), s) for s, e in bounds for q0 in range(s, e, queries_per_tile)]
     scores = torch.full((t_count, heads, max(nb, 1)), float("-inf"), dtype=torch.float32, device=device)
     if tiles:

@@ -137,7 +137,7 @@ class Attention(nn.Module):
                 if self.index_nvfp4:
                     ik = nvfp4_kv_qdq(ik)
                 own = msa.select_blocks(iq, ik, cu_seqlens, self.sparse["topk"], self.sparse["init"],
-                                        self.sparse["local"])
+                                        self.sparse["local"], positions=positions)
                 del iq, ik
             blocks = own
             if replay_blocks is not None:  # validated by M3ForTraining.hidden_states

@@ -47,7 +47,10 @@ def _selection(lengths, heads, dim, topk, init_blocks, local_blocks, seed=1):
     iq, ik = torch.randn(sum(lengths), heads, dim, generator=g), torch.randn(sum(lengths), dim, generator=g)
     ref = msa.select_blocks(iq, ik, cu, topk, init_blocks, local_blocks, impl="reference")
     got = msa.select_blocks(iq, ik, cu, topk, init_blocks, local_blocks, impl="triton")
-    return {"agreement": msa.selection_agreement(ref, got), "same_shape": list(ref.shape) == list(got.shape)}
+    given = msa.select_blocks(iq, ik, cu, topk, init_blocks, local_blocks, impl="triton",
+                              positions=msa.token_positions(cu))  # the trainer's layers hand their positions in
+    return {"agreement": msa.selection_agreement(ref, got), "same_shape": list(ref.shape) == list(got.shape),
+            "positions_given_equal": bool(torch.equal(given, got))}
 
 
 CASES = {  # name -> _case kwargs
@@ -67,7 +70,8 @@ if __name__ == "__main__":  # the interpreter subprocess: `python FILE selection
 
 def test_selection_kernel_under_the_interpreter_matches_reference():
     # Index scores of bf16 values summed in fp32 (exactly, under the interpreter): the same blocks everywhere.
-    assert run_under_interpreter(__file__, "selection") == {"agreement": 1.0, "same_shape": True}
+    assert run_under_interpreter(__file__, "selection") == {"agreement": 1.0, "same_shape": True,
+                                                             "positions_given_equal": True}
 
 
 @pytest.mark.slow
