@@ -7,23 +7,15 @@ next tile's MMAs ran did exactly that and was 5% slower on the H200 (results/gpu
 """
 
 import json
-import os
-import subprocess
-import sys
 
-from tests.triton_interpreter import INTERPRETER_SITE, ROOT
+from tests.triton_interpreter import run_with_triton
 
 HOPPER_SHARED_BYTES = 227 * 1024  # per block, opt-in maximum on sm_90
 
 
 def test_hopper_compile_report():
-    assert (INTERPRETER_SITE / "triton").is_dir(), f"{INTERPRETER_SITE} missing: run scripts/install/setup_env.sh"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(INTERPRETER_SITE), str(ROOT)]))
-    env.pop("TRITON_INTERPRET", None)
-    p = subprocess.run([sys.executable, "scripts/msa_kernel_resources.py"], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    kernels = {k["kernel"]: k for k in json.loads(p.stdout)["kernels"]}
+    report = json.loads(run_with_triton("scripts/msa_kernel_resources.py", interpret=False))
+    kernels = {k["kernel"]: k for k in report["kernels"]}
     assert {"_fwd", "_bwd", "_bwd_gluon", "_merge", "_reduce_dq"} <= set(kernels)
     gluon = kernels["_bwd_gluon"]
     assert gluon["stack_bytes"] == 0 and gluon["shared_bytes"] <= HOPPER_SHARED_BYTES, gluon
