@@ -159,7 +159,7 @@ def step(model, optimizer, batch, token_adv, device, mem=None):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if mem is not None else contextlib.nullcontext():
-        lp = model.token_logprobs(batch.input_ids.to(device), batch.cu_seqlens.to(device), batch.targets.to(device))
+        lp = model.token_logprobs(batch.input_ids.to(device), batch.cu_seqlens, batch.targets.to(device))
     if mem is not None:
         by_op = {}
         for nbytes, op, shape, dtype in saved.values():
