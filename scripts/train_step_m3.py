@@ -19,6 +19,7 @@ base and of LoRA, and the step times; rank 0 writes one JSON document (stdout, a
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -223,6 +224,7 @@ def model_flops(t: dict, seq_len: int, seqs: int, rank: int) -> dict:
 
 
 CATEGORIES = ("expert", "attention", "projections", "lm_head")
+TOP_KERNELS = 40
 
 
 def _labelled(fn, name):
@@ -282,7 +284,7 @@ def profile_step(model, optimizer, batch, token_adv, device) -> dict:
         elif e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("m3/"):
             # (the m3/ labels also appear as GPU-side annotation ranges spanning their kernels: not kernels)
             device_total += e.device_time_total if hasattr(e, "device_time_total") else 0.0
-    attributed = 0.0
+    attributed, by_kernel = 0.0, collections.defaultdict(lambda: [0.0, 0])
     for e in events:
         kernels = getattr(e, "kernels", None)
         if e.device_type != torch.autograd.DeviceType.CPU or not kernels:
@@ -293,8 +295,15 @@ def profile_step(model, optimizer, batch, token_adv, device) -> dict:
             cat = fwd_cat.get((getattr(node, "fwd_thread", node.thread), node.sequence_nr), "other_backward")
         split[cat or "other"] += us
         attributed += us
+        for k in kernels:  # by category, the op that launched it and the kernel: where the next bottleneck is
+            row = by_kernel[(cat or "other", e.name[:60], k.name[:100])]
+            row[0] += k.duration
+            row[1] += 1
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
     return {"gpu_ms": {k: round(v / 1e3, 1) for k, v in split.items()},
             "attributed_gpu_ms": round(attributed / 1e3, 1), "device_events_gpu_ms": round(device_total / 1e3, 1),
+            "top_kernels": [{"category": c, "op": op, "kernel": k, "ms": round(us / 1e3, 1), "launches": n}
+                            for (c, op, k), (us, n) in top],
             "analysis_s": round(time.perf_counter() - t0, 1)}
 
 

@@ -153,33 +153,35 @@ class _LMHeadLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, targets):  # noqa: D102
         out = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
-        lse = torch.empty_like(out)
+        jac = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         for a in range(0, h.shape[0], LOGIT_ROWS):
             b, t = a + LOGIT_ROWS, targets[a:a + LOGIT_ROWS, None]
-            logits = (h[a:b] @ w.t()).float()
-            out[a:b] = logits.log_softmax(-1).gather(1, t)[:, 0]
-            lse[a:b] = logits.gather(1, t)[:, 0] - out[a:b]  # the log-sum-exp log_softmax used, for backward
-        ctx.save_for_backward(h, w, targets, lse)
+            logp = (h[a:b] @ w.t()).float().log_softmax(-1)
+            out[a:b] = logp.gather(1, t)[:, 0]
+            if jac is not None:  # -d lp[t] / d logits = softmax - onehot, in the logits' dtype as autograd casts
+                d = logp.exp_().scatter_add_(1, t, torch.full(t.shape, -1.0, dtype=logp.dtype, device=t.device))
+                jac[a:b] = d.to(h.dtype) @ w  # the negated Jacobian (rounding is sign-symmetric): no negation pass
+        ctx.save_for_backward(jac)
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, g):  # noqa: D102
-        h, w, targets, lse = ctx.saved_tensors
-        gh = torch.empty_like(h)
-        for a in range(0, h.shape[0], LOGIT_ROWS):
-            b = a + LOGIT_ROWS
-            # d lp[t] / d logits = onehot(t) - softmax, cast to the logits' dtype as autograd's .float() backward does
-            p = (h[a:b] @ w.t()).float().sub_(lse[a:b, None]).exp_().mul_(-g[a:b, None])
-            p.scatter_add_(1, targets[a:b, None], g[a:b, None].float())
-            gh[a:b] = p.to(h.dtype) @ w
+        (jac,) = ctx.saved_tensors
+        gh = torch.empty_like(jac)
+        for a, b in row_chunks(jac.shape[0]):
+            gh[a:b] = jac[a:b].float() * -g[a:b, None]
         return gh, None, None
 
 
 def lm_head_logprobs(h: torch.Tensor, lm_head: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """log_softmax(fp32(h @ lm_head^T))[targets] per row (vLLM's logprobs: the logits GEMM in the model dtype, the
-    softmax in fp32), chunked over rows; fp32 [rows]. Keeps h and the log-sum-exp for backward, which recomputes the
-    logits GEMM and forms softmax - onehot in one pass: autograd (under activation checkpointing) ran log_softmax
-    and gather twice and their backward over fp32 [rows, vocab], and without it kept every chunk's logits."""
+    softmax in fp32), chunked over rows; fp32 [rows].
+
+    Each row's logprob depends on that row of h alone, so its gradient is g[row] times the row's Jacobian
+    (onehot(t) - softmax) @ lm_head. When h needs a gradient the forward forms that Jacobian from the softmax it
+    already holds and keeps it [rows, H] in h's dtype (instead of h): two logits-size GEMMs per row, where recomputing
+    the logits in backward took three (at M3's vocab 200064 one of them costs about three layers' forward)."""
     return _LMHeadLogprobs.apply(h, lm_head, targets)
 
 

@@ -103,3 +103,18 @@ def test_lm_head_logprobs(monkeypatch, dtype):
                           for a in range(0, 30, 7)])
 
     _check(lambda x: lean.lm_head_logprobs(x, w, t), plain, [h], dtype, 1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_lm_head_logprobs_without_grad_keeps_nothing(monkeypatch):
+    """Without a gradient to form, the forward skips the Jacobian GEMM and returns the same values."""
+    monkeypatch.setattr(lean, "LOGIT_ROWS", 7)
+    g = torch.Generator().manual_seed(6)
+    h, w = torch.randn(20, 16, generator=g), torch.randn(30, 16, generator=g)
+    t = torch.randint(0, 30, (20,), generator=g)
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: calls.append(1) or torch.matmul(a, b))
+    with torch.no_grad():
+        plain = lean.lm_head_logprobs(h, w, t)
+    n_plain, calls[:] = len(calls), []
+    assert torch.equal(plain, lean.lm_head_logprobs(h.requires_grad_(), w, t).detach())
+    assert (n_plain, len(calls)) == (3, 6)  # one GEMM per chunk without a gradient, two with
