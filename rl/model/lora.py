@@ -65,6 +65,15 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float
     return h @ (b.to(x.dtype) * scaling).to(x.dtype).t()
 
 
+def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b accumulated and returned in fp32. Products of bf16/fp16 values are exact in fp32, so the fp32 GEMM and
+    the 16-bit tensor-core GEMM with an fp32 accumulator (CUDA's mm out_dtype; vLLM's LoRA kernels on GPU accumulate
+    that way too) differ only in the order of the sums; the latter copies no fp32 operand and runs on tensor cores."""
+    if a.is_cuda and a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
 class _Shrink(torch.autograd.Function):
     """bf16(fp32(x) @ fp32(a)^T), vLLM's fp32 shrink, in row chunks, saving x in its own dtype: autograd would keep
     the fp32 copy of x (4 B per element: 3.2 GB per projection input at 131K tokens of M3) for a's gradient."""
@@ -72,25 +81,23 @@ class _Shrink(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, a):  # noqa: D102
         x2 = x.reshape(-1, x.shape[-1])
-        af = a.float().t()
         h = torch.empty(x2.shape[0], a.shape[0], dtype=x.dtype, device=x.device)
         for lo, hi in row_chunks(x2.shape[0]):
-            h[lo:hi] = x2[lo:hi].float() @ af
+            h[lo:hi] = mm_fp32(x2[lo:hi], a.t())
         ctx.save_for_backward(x, a)
         return h.view(*x.shape[:-1], a.shape[0])
 
     @staticmethod
     def backward(ctx, gh):  # noqa: D102
         x, a = ctx.saved_tensors
-        x2, g = x.reshape(-1, x.shape[-1]), gh.reshape(-1, a.shape[0]).float()
-        af = a.float()
+        x2, g = x.reshape(-1, x.shape[-1]), gh.reshape(-1, a.shape[0])
         gx = torch.empty_like(x2) if ctx.needs_input_grad[0] else None
-        ga = torch.zeros(af.shape, dtype=torch.float32, device=a.device) if ctx.needs_input_grad[1] else None
+        ga = torch.zeros(a.shape, dtype=torch.float32, device=a.device) if ctx.needs_input_grad[1] else None
         for lo, hi in row_chunks(x2.shape[0]):
             if gx is not None:
-                gx[lo:hi] = g[lo:hi] @ af
+                gx[lo:hi] = mm_fp32(g[lo:hi], a)
             if ga is not None:
-                ga.addmm_(g[lo:hi].t(), x2[lo:hi].float())
+                ga += mm_fp32(g[lo:hi].t(), x2[lo:hi])
         return None if gx is None else gx.view_as(x), None if ga is None else ga.to(a.dtype)
 
 

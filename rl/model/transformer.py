@@ -18,7 +18,6 @@ from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMa
 from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLRMSNorm
 
 from m3.config import DTYPES
-from m3.ops import swigluoai_uninterleave
 from quant.kernels import nvfp4_moe_linear, sort_by_expert
 from quant.kv_cache import nvfp4_kv_qdq
 from rl.model import msa
@@ -29,6 +28,7 @@ from rl.model.options import AttentionImpl, Base, DType, IndexerKVDType, KVCache
 from rl.model.packed import host_offsets, seq_bounds, sequence_group_spans, token_positions
 from rl.model.quantized_base import BaseWeights
 from rl.model.routing_replay import route, routing_match_rate, validate_replay
+from rl.model.swiglu_triton import swiglu_oai
 from rollout.capture import DENSE_LAYER
 
 
@@ -172,7 +172,7 @@ class MLP(nn.Module):
         self.alpha, self.limit, self.beta = cfg.swiglu_alpha, cfg.swiglu_limit, cfg.swiglu_beta
 
     def forward(self, x):
-        return self.down_proj(swigluoai_uninterleave(self.gate_up_proj(x), self.alpha, self.limit, self.beta))
+        return self.down_proj(swiglu_oai(self.gate_up_proj(x), self.alpha, self.limit, self.beta))
 
 
 class MoE(nn.Module):
@@ -269,7 +269,7 @@ class MoE(nn.Module):
         gate_up = linear(xs, "w13")
         if lora is not None:
             gate_up = gate_up + lora.gate_up_grouped(xs, offsets, experts=sel)
-        act = swigluoai_uninterleave(gate_up, self.alpha, self.limit, self.beta)
+        act = swiglu_oai(gate_up, self.alpha, self.limit, self.beta)
         y = linear(act, "w2")
         if lora is not None:
             y = y + lora.down_grouped(act, offsets, experts=sel)
@@ -285,7 +285,7 @@ class MoE(nn.Module):
             gate_up = self.experts.gate_up(xe, e0 + i)
             if lora is not None:
                 gate_up = gate_up + lora.gate_up(xe, e0 + i)
-            act = swigluoai_uninterleave(gate_up, self.alpha, self.limit, self.beta)
+            act = swiglu_oai(gate_up, self.alpha, self.limit, self.beta)
             y = self.experts.down(act, e0 + i)
             if lora is not None:
                 y = y + lora.down(act, e0 + i)
