@@ -295,8 +295,10 @@ def profile_step(model, optimizer, batch, token_adv, device) -> dict:
             cat = fwd_cat.get((getattr(node, "fwd_thread", node.thread), node.sequence_nr), "other_backward")
         split[cat or "other"] += us
         attributed += us
-        for k in kernels:  # by category, the op that launched it and the kernel: where the next bottleneck is
-            row = by_kernel[(cat or "other", e.name[:60], k.name[:100])]
+        # by category, the op that launched it (in backward: its autograd node) and the kernel: the next bottleneck
+        op = node.name.removeprefix("autograd::engine::evaluate_function: ") if node is not None else e.name
+        for k in kernels:
+            row = by_kernel[(cat or "other", op[:60], k.name[:100])]
             row[0] += k.duration
             row[1] += 1
     top = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]

@@ -7,7 +7,8 @@ The weights of a chunk of experts are decoded into a transient bf16 buffer (e2m1
 operands are bit-identical to the reference's), and each expert's rows run one cuBLAS GEMM whose alpha is gs[e]:
 cuBLAS scales the fp32 accumulator by alpha before its single rounding to bf16, which is where the serving form
 applies the global scale. (``torch._grouped_mm`` rounds to bf16 first and has no per-group alpha, so folding gs into
-it would round twice.) Nothing is saved for backward but the packed bytes: the input gradient decodes again.
+it would round twice.) The input gradient decodes again, unless the forward decoded ``into`` a buffer the caller
+keeps (``nvfp4_moe_linear(keep_decoded=True)``, for calls recomputed under activation checkpointing).
 
 Why: the fused Triton kernels decode every weight tile once per row tile, so at thousands of rows per expert the
 decode work grows with the rows while the GEMM here runs at cuBLAS's rate on a decode done once per call. Below
@@ -95,56 +96,68 @@ def _side_stream(index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=index)
 
 
-def _run(inp, packed, scale, gs_host, bounds, dgrad, chunk, overlap):
-    """out rows of expert e = bf16(fp32acc(inp_e @ op(W_e)) * gs[e]), op = transpose (forward) or identity."""
+def _chunks(packed, scale, bounds, chunk, overlap, into):
+    """(e0, e1, bf16 weights [e1-e0, N, K]) for each chunk of experts with rows, decoded just before its GEMMs: into
+    one buffer, or two with the next chunk decoded on a side stream (`overlap`, CUDA), or into the slices of `into`
+    [E, N, K]. The consumer runs a chunk's GEMMs before asking for the next."""
     e_total, n, kh = packed.shape
-    k = 2 * kh
-    out = torch.empty(inp.shape[0], k if dgrad else n, dtype=torch.bfloat16, device=inp.device)
     chunk = max(1, min(chunk, e_total))
     ranges = [(a, min(a + chunk, e_total)) for a in range(0, e_total, chunk)
               if bounds[min(a + chunk, e_total)] > bounds[a]]  # skip chunks with no rows
-    if not ranges:
-        return out
-    inp = inp.contiguous()
-    cuda = inp.is_cuda
-    overlap = overlap and cuda and len(ranges) > 1
-    bufs = [torch.empty(chunk, n, k, dtype=torch.bfloat16, device=inp.device) for _ in range(2 if overlap else 1)]
-    main = torch.cuda.current_stream(inp.device) if cuda else None
-    side = _side_stream(inp.device.index if inp.device.index is not None else torch.cuda.current_device()) \
-        if overlap else None
+    dev = packed.device
+    overlap = overlap and into is None and packed.is_cuda and len(ranges) > 1
+    if not overlap:
+        buf = torch.empty(chunk, n, 2 * kh, dtype=torch.bfloat16, device=dev) if into is None else None
+        for e0, e1 in ranges:
+            dst = into[e0:e1] if into is not None else buf[:e1 - e0]
+            yield e0, e1, nvfp4_dequantize(packed[e0:e1], scale[e0:e1], dst)
+        return
+    bufs = [torch.empty(chunk, n, 2 * kh, dtype=torch.bfloat16, device=dev) for _ in range(2)]
+    main = torch.cuda.current_stream(dev)
+    side = _side_stream(dev.index if dev.index is not None else torch.cuda.current_device())
+    side.wait_stream(main)  # the inputs and buffers were made on the main stream
     freed = [None, None]
-    if side is not None:
-        side.wait_stream(main)  # the inputs and buffers were made on the main stream
     for i, (e0, e1) in enumerate(ranges):
-        buf = bufs[i % len(bufs)][:e1 - e0]
-        if side is not None:
-            with torch.cuda.stream(side):
-                if freed[i % 2] is not None:
-                    side.wait_event(freed[i % 2])  # chunk i-2's GEMMs are done with this buffer
-                nvfp4_dequantize(packed[e0:e1], scale[e0:e1], buf)
-                ready = torch.cuda.Event()
-                ready.record(side)
-            main.wait_event(ready)
-        else:
+        buf = bufs[i % 2][:e1 - e0]
+        with torch.cuda.stream(side):
+            if freed[i % 2] is not None:
+                side.wait_event(freed[i % 2])  # chunk i-2's GEMMs are done with this buffer
             nvfp4_dequantize(packed[e0:e1], scale[e0:e1], buf)
+            ready = torch.cuda.Event()
+            ready.record(side)
+        main.wait_event(ready)
+        yield e0, e1, buf
+        freed[i % 2] = torch.cuda.Event()
+        freed[i % 2].record(main)
+
+
+def _run(inp, packed, scale, gs_host, bounds, dgrad, chunk, overlap, decoded=None, into=None):
+    """out rows of expert e = bf16(fp32acc(inp_e @ op(W_e)) * gs[e]), op = transpose (forward) or identity; the
+    weights decoded here (into `into` if given), or `decoded` [E, N, K] (kept from an earlier call)."""
+    e_total, n, kh = packed.shape
+    out = torch.empty(inp.shape[0], 2 * kh if dgrad else n, dtype=torch.bfloat16, device=inp.device)
+    inp = inp.contiguous()
+    chunks = [(0, e_total, decoded)] if decoded is not None else _chunks(packed, scale, bounds, chunk, overlap, into)
+    for e0, e1, buf in chunks:
         for e in range(e0, e1):
             lo, hi = bounds[e], bounds[e + 1]
             if hi > lo:
                 w = buf[e - e0]
                 # beta=0: the output slice is not read (torch.addmm's contract), only written
                 out[lo:hi].addmm_(inp[lo:hi], w if dgrad else w.t(), beta=0, alpha=gs_host[e])
-        if side is not None:
-            ev = torch.cuda.Event()
-            ev.record(main)
-            freed[i % 2] = ev
     return out
 
 
-def dequant_fwd(x, packed, scale, gs_host, bounds, chunk=None, overlap=True):
-    """x [M, K] bf16 sorted by expert (host offsets ``bounds``, host decode scales ``gs_host``) -> [M, N]."""
-    return _run(x.to(torch.bfloat16), packed, scale, gs_host, bounds, False, chunk or CHUNK_EXPERTS, overlap)
+def dequant_fwd(x, packed, scale, gs_host, bounds, chunk=None, overlap=True, into=None):
+    """x [M, K] bf16 sorted by expert (host offsets ``bounds``, host decode scales ``gs_host``) -> [M, N].
+    into: a bf16 [E, N, K] buffer that receives the decoded weights of every expert with rows, for the caller to
+    pass to ``dequant_dgrad(decoded=...)`` (the input gradient then decodes nothing)."""
+    return _run(x.to(torch.bfloat16), packed, scale, gs_host, bounds, False, chunk or CHUNK_EXPERTS, overlap,
+                into=into)
 
 
-def dequant_dgrad(dy, packed, scale, gs_host, bounds, chunk=None, overlap=True):
-    """dy [M, N] -> dx [M, K] = bf16(fp32acc(dy_e @ W_e) * gs[e]) per expert."""
-    return _run(dy.to(torch.bfloat16), packed, scale, gs_host, bounds, True, chunk or CHUNK_EXPERTS, overlap)
+def dequant_dgrad(dy, packed, scale, gs_host, bounds, chunk=None, overlap=True, decoded=None):
+    """dy [M, N] -> dx [M, K] = bf16(fp32acc(dy_e @ W_e) * gs[e]) per expert; decoded: the weights a forward
+    decoded ``into`` (same bounds), else decoded here."""
+    return _run(dy.to(torch.bfloat16), packed, scale, gs_host, bounds, True, chunk or CHUNK_EXPERTS, overlap,
+                decoded=decoded)

@@ -135,25 +135,31 @@ def _host(gs, offsets):
 
 class _NVFP4MoELinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, packed, scale, gs, offsets, config, decoder, impl, host):  # noqa: D102
-        ctx.save_for_backward(packed, scale, gs, offsets)
+    def forward(ctx, x, packed, scale, gs, offsets, config, decoder, impl, host, keep_decoded):  # noqa: D102
         ctx.decoder, ctx.impl, ctx.host = decoder, impl, host
+        decoded = None
         if _pick(impl, x.shape[0], packed.shape[0], "fwd") == "dequant":
             ctx.host = ctx.host or _host(gs, offsets)
-            return dequant_fwd(x, packed, scale, *ctx.host)
-        return launch_fwd(x, packed, scale, gs, offsets, config=config, decoder=decoder)
+            if keep_decoded and _pick(impl, x.shape[0], packed.shape[0], "dgrad") == "dequant":
+                decoded = torch.empty(*packed.shape[:-1], packed.shape[-1] * 2, dtype=torch.bfloat16,
+                                      device=packed.device)
+            y = dequant_fwd(x, packed, scale, *ctx.host, into=decoded)
+        else:
+            y = launch_fwd(x, packed, scale, gs, offsets, config=config, decoder=decoder)
+        ctx.save_for_backward(packed, scale, gs, offsets, decoded)
+        return y
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
-        packed, scale, gs, offsets = ctx.saved_tensors
+        packed, scale, gs, offsets, decoded = ctx.saved_tensors
         gx = None
         if ctx.needs_input_grad[0]:
             g = grad.to(torch.bfloat16)
-            if _pick(ctx.impl, g.shape[0], packed.shape[0], "dgrad") == "dequant":
-                gx = dequant_dgrad(g, packed, scale, *(ctx.host or _host(gs, offsets)))
+            if decoded is not None or _pick(ctx.impl, g.shape[0], packed.shape[0], "dgrad") == "dequant":
+                gx = dequant_dgrad(g, packed, scale, *(ctx.host or _host(gs, offsets)), decoded=decoded)
             else:
                 gx = launch_dgrad(g, packed, scale, gs, offsets, decoder=ctx.decoder)
-        return gx, None, None, None, None, None, None, None, None
+        return gx, None, None, None, None, None, None, None, None, None
 
 
 def nvfp4_moe_linear(
@@ -167,6 +173,7 @@ def nvfp4_moe_linear(
     decoder: str | None = None,
     impl: str | None = None,
     host: tuple[list[float], list[int]] | None = None,
+    keep_decoded: bool = False,
 ) -> torch.Tensor:
     """Expert-grouped NVFP4 linear in the hopper serving form: x [M, K] -> [M, N] bf16.
 
@@ -178,7 +185,10 @@ def nvfp4_moe_linear(
     "kernel" / "dequant" forces one; the decode path reads the offsets on the host);
     elsewhere: ``nvfp4_moe_linear_reference``. ``config`` overrides tile sizes, ``decoder`` is
     "asm" (default) or "triton". ``host``: (decode scales, offsets) as host lists, equal to the tensors, when the
-    caller has them: the decode path then reads no device values (no sync).
+    caller has them: the decode path then reads no device values (no sync). ``keep_decoded``: where the forward
+    takes the decode path, it keeps the bf16 weights for the input gradient instead of decoding them again; for
+    calls recomputed under activation checkpointing, where the weights then live from the recompute to this call's
+    backward (kept from a plain forward they would stay until backward: 14.5 GB per M3 layer).
     """
     _check(x, packed, scale, global_scale, offsets)
     if not (x.is_cuda and triton_available()):
@@ -189,4 +199,5 @@ def nvfp4_moe_linear(
         raise ValueError(f"unknown impl {impl!r}; expected 'kernel', 'dequant' or None")
     gs = global_scale.reshape(-1).to(device=x.device, dtype=torch.float32).contiguous()
     offsets = offsets.to(device=x.device, dtype=torch.int32).contiguous()
-    return _NVFP4MoELinear.apply(x.to(torch.bfloat16), packed, scale, gs, offsets, config, decoder, impl, host)
+    return _NVFP4MoELinear.apply(x.to(torch.bfloat16), packed, scale, gs, offsets, config, decoder, impl, host,
+                                 keep_decoded)

@@ -11,6 +11,8 @@ dtype where the forward casts), with fp32 sums in another order.
 
 import torch
 
+from rl.model import lean_triton
+
 ROWS = 8192  # rows per chunk: an fp32 [8192, 8192] intermediate is 256 MB
 
 
@@ -43,6 +45,10 @@ class _AddNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_normed, g_res):  # noqa: D102
         x, residual, w1, rs = ctx.saved_tensors
+        if lean_triton.usable(x):
+            gx = lean_triton.add_norm_backward(*(t if t is None else t.contiguous()
+                                                 for t in (x, residual, w1, rs, g_normed, g_res)))
+            return gx, gx.to(residual.dtype), None, None
         gx = torch.empty_like(x)
         for a, b in row_chunks(x.shape[0]):
             total = x[a:b].float() + residual[a:b].float()
@@ -85,6 +91,9 @@ class _NormRope(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_out):  # noqa: D102
         x, w1, cos_sin, rs = ctx.saved_tensors
+        if lean_triton.usable(x):
+            return (lean_triton.norm_rope_backward(x.contiguous(), w1.contiguous(), rs, cos_sin.contiguous(), ctx.rot,
+                                                   g_out.contiguous()), None, None, None, None)
         half, rot = ctx.rot // 2, ctx.rot
         gx = torch.empty_like(x)
         for a, b in row_chunks(x.shape[0]):
@@ -202,6 +211,8 @@ class _WeightedRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):  # noqa: D102
         y, w = ctx.saved_tensors
+        if lean_triton.usable(y):
+            return lean_triton.weighted_rows_backward(g.contiguous(), y.contiguous(), w.contiguous())
         gy, gw = torch.empty_like(y), torch.empty_like(w)
         for a, b in row_chunks(y.shape[0]):
             gy[a:b], gw[a:b] = _weighted_rows_grad(g[a:b], y[a:b], w[a:b])

@@ -63,7 +63,7 @@ def _grid(rows, inter):
 
 if triton is not None:
     @triton.jit
-    def _bf16(x):
+    def round_bf16(x):
         """fp32 rounded to bf16 (nearest, ties to even) and back: where an eager bf16 op stores its output. In
         integer ops, as cvt.rn does it on the GPU, because Triton's CPU interpreter truncates in casts."""
         u = x.to(tl.uint32, bitcast=True)
@@ -87,7 +87,7 @@ if triton is not None:
     @triton.jit
     def _sigmoid(x, EXPF: tl.constexpr):
         e = libdevice.exp(-x) if EXPF else tl.exp(-x)
-        return _bf16(tl.math.div_rn(1.0, 1.0 + e))
+        return round_bf16(tl.math.div_rn(1.0, 1.0 + e))
 
     @triton.jit
     def _fwd(gu_ptr, out_ptr, rows, inter, alpha, limit, beta, EXPF: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -96,8 +96,8 @@ if triton is not None:
         gate = tl.load(gu_ptr + src, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(gu_ptr + src + inter, mask=mask, other=0.0).to(tl.float32)
         g, u = _clamped(gate, up, limit)
-        s = _sigmoid(_bf16(g * alpha), EXPF)
-        out = _bf16(_bf16(g * s) * _bf16(u + beta))
+        s = _sigmoid(round_bf16(g * alpha), EXPF)
+        out = round_bf16(round_bf16(g * s) * round_bf16(u + beta))
         tl.store(out_ptr + dst, out.to(tl.bfloat16), mask=mask)
 
     @triton.jit
@@ -108,11 +108,11 @@ if triton is not None:
         up = tl.load(gu_ptr + src + inter, mask=mask, other=0.0).to(tl.float32)
         grad = tl.load(g_ptr + dst, mask=mask, other=0.0).to(tl.float32)
         g, u = _clamped(gate, up, limit)
-        s = _sigmoid(_bf16(g * alpha), EXPF)
+        s = _sigmoid(round_bf16(g * alpha), EXPF)
         # out = g * s(alpha g) * (u + beta); clamp passes the gradient where the input is within its limits
         d_g = grad * (u + beta) * (s + g * alpha * s * (1.0 - s))
         d_u = grad * g * s
         d_g = tl.where(gate <= limit, d_g, 0.0)
         d_u = tl.where((up >= -limit) & (up <= limit), d_u, 0.0)
-        tl.store(g_gu_ptr + src, _bf16(d_g).to(tl.bfloat16), mask=mask)
-        tl.store(g_gu_ptr + src + inter, _bf16(d_u).to(tl.bfloat16), mask=mask)
+        tl.store(g_gu_ptr + src, round_bf16(d_g).to(tl.bfloat16), mask=mask)
+        tl.store(g_gu_ptr + src + inter, round_bf16(d_u).to(tl.bfloat16), mask=mask)

@@ -247,14 +247,16 @@ class MoE(nn.Module):
         return out.to(x.dtype)
 
     def _group(self, x, tok, w, offsets, e0, e1, host):
-        return weighted_rows(self._experts(x[tok], offsets, e0, e1, host), w)
+        # recomputed in backward: NVFP4 weights decoded in the recompute serve this group's input gradient
+        return weighted_rows(self._experts(x[tok], offsets, e0, e1, host, keep_decoded=True), w)
 
-    def _experts(self, xs, offsets, e0, e1, host=None):
+    def _experts(self, xs, offsets, e0, e1, host=None, keep_decoded=False):
         """Experts e0..e1-1 on their rows xs (sorted by expert, expert e0+i's at offsets[i]:offsets[i+1]): on CUDA in
         bf16 two grouped GEMMs, NVFP4 (quant.kernels, the same serving form as the per-expert loop) or, for the bf16
         base, torch._grouped_mm, with expert LoRA in grouped GEMMs over the same offsets
         (rl.model.lora.grouped_lora_delta); elsewhere per expert. host: the offsets ("bounds") and NVFP4 decode scales
-        ("w13", "w2") of these experts as host lists, if known."""
+        ("w13", "w2") of these experts as host lists, if known. keep_decoded: nvfp4_moe_linear's (only for calls
+        recomputed under activation checkpointing)."""
         e, lora, sel = self.experts, getattr(self.experts, "lora", None), slice(e0, e1)
         if not self._use_grouped(xs):
             return self._per_expert(xs, offsets.tolist(), e0, e1, lora)
@@ -262,7 +264,8 @@ class MoE(nn.Module):
             def linear(inp, name):
                 return nvfp4_moe_linear(inp, e.packed(name)[sel], getattr(e, f"{name}_scale")[sel],
                                         getattr(e, f"{name}_gs")[sel], offsets,
-                                        host=None if host is None else (host[name], host["bounds"]))
+                                        host=None if host is None else (host[name], host["bounds"]),
+                                        keep_decoded=keep_decoded)
         else:
             def linear(inp, name):
                 return torch._grouped_mm(inp, getattr(e, name)[sel].transpose(1, 2), offs=offsets[1:])

@@ -11,7 +11,7 @@
 #                         activation checkpointing on, MoE chunks of C tokens (default 16384); P=1: the time split;
 #                         M=1: what is live at the peak of one more step, by allocation site (--memory-peak)
 #   trainer_tests         pytest -m gpu: the trainer fast-paths test (tests/rl/model/test_trainer_gpu.py) and the fused
-#                         SwiGLU kernels (test_swiglu_triton.py)
+#                         SwiGLU and add-norm backward kernels (test_swiglu_triton.py, test_lean_triton.py)
 #   block_tests           pytest -m gpu: the block-outer MSA kernels alone (tests/rl/model/test_msa_block_outer.py)
 #   msa_tests             pytest -m gpu: the MSA kernels (block-outer, per-token, flex) and the trainer fast-paths test
 #   bench_msa[:ARGS]      scripts/bench_msa.py (4K-64K, 1 and 4 sequences, vs dense SDPA) with extra ARGS, '+' for
@@ -26,7 +26,8 @@ for step in "$@"; do
   case "$step" in
     tests)
       M3RL_GPU_REPORT="$OUT/trainer_gpu.json" run tests "$(lim 300)" $P tests/quant/test_kernels_gpu.py \
-          tests/quant/test_cuda_matches_cpu.py tests/rl/model/test_trainer_gpu.py tests/rl/model/test_swiglu_triton.py ;;
+          tests/quant/test_cuda_matches_cpu.py tests/rl/model/test_trainer_gpu.py tests/rl/model/test_swiglu_triton.py \
+          tests/rl/model/test_lean_triton.py ;;
     bench_expert)
       run bench_expert "$(lim 220)" python3 scripts/bench_expert_gemm.py --lora-loop --out "$OUT/bench_expert.json" ;;
     bench_mxfp8)
@@ -40,7 +41,7 @@ for step in "$@"; do
           --memory-peak "${mpeak:-0}" --out "$OUT/$name.json" ;;
     trainer_tests)
       M3RL_GPU_REPORT="$OUT/trainer_gpu.json" run trainer_tests "$(lim 200)" $P -s tests/rl/model/test_trainer_gpu.py \
-          tests/rl/model/test_swiglu_triton.py ;;
+          tests/rl/model/test_swiglu_triton.py tests/rl/model/test_lean_triton.py ;;
     block_tests)
       run block_tests "$(lim 200)" $P tests/rl/model/test_msa_block_outer.py ;;
     msa_tests)

@@ -1,7 +1,8 @@
 """quant.kernels.nvfp4_dequant on CPU: the Triton decode under Triton's interpreter (a subprocess with the
 interpreter-only Triton of scripts/install/setup_env.sh on its path) is bit-identical to quant.forms.nvfp4_weight
 on every code and scale byte (subnormal and NaN scales too); the per-expert chunked GEMM loop (chunks, empty experts,
-forward and input gradient) matches the reference expert loop. Their CUDA runs: tests/quant/test_kernels_gpu.py.
+forward and input gradient, the forward's decoded weights kept for the input gradient) matches the reference
+expert loop. Their CUDA runs: tests/quant/test_kernels_gpu.py.
 """
 
 import json
@@ -61,6 +62,10 @@ def test_chunked_expert_gemms_match_the_reference(chunk):
     dy = torch.randn(bounds[-1], n, generator=g).bfloat16()
     y = dequant_fwd(x, packed, scale, gs.tolist(), bounds, chunk=chunk)
     dx = dequant_dgrad(dy, packed, scale, gs.tolist(), bounds, chunk=chunk)
+    # the forward's decoded weights kept for the input gradient: the same results, bit for bit
+    kept = torch.full((e, n, k), float("nan"), dtype=torch.bfloat16)
+    assert torch.equal(dequant_fwd(x, packed, scale, gs.tolist(), bounds, chunk=chunk, into=kept), y)
+    assert torch.equal(dequant_dgrad(dy, packed, scale, gs.tolist(), bounds, chunk=chunk, decoded=kept), dx)
     ref_y = moe.nvfp4_moe_linear_reference(x, packed, scale, gs, offsets)
     ref_dx = torch.cat([(forms._mm_fp32(dy[a:b], forms.nvfp4_weight(packed[i], scale[i]).t()) * gs[i])
                         .bfloat16() for i, (a, b) in enumerate(zip(bounds, bounds[1:]))])
