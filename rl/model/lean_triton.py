@@ -15,18 +15,6 @@ import torch
 
 from rl.model.swiglu_triton import triton
 
-def norm_rope_backward(x, w1, rs, cos_sin, rot, g_out) -> torch.Tensor:
-    """Gradient of rope(bf16(x * rs(x) * w1)) w.r.t. x [N, heads, D] given g_out (the rotation of the first `rot`
-    channels undone, rounded to x's dtype as the forward stores the norm, then the norm's gradient per head).
-    w1 fp32 [D]; rs fp32 [N, heads, 1]; cos_sin [N, rot]."""
-    rows, heads, d = x.shape
-    gx = torch.empty_like(x)
-    _norm_rope_bwd[(rows,)](x, w1, rs, cos_sin, g_out, gx, heads, d, rot // 2, rot,
-                            TO_BF16=x.dtype == torch.bfloat16, BLOCK_H=triton.next_power_of_2(heads),
-                            BLOCK_D=triton.next_power_of_2(d), num_warps=8)
-    return gx
-
-
 if triton is not None:  # CPU installs run without Triton; the torch backwards are the path there
     import triton.language as tl
 
@@ -47,6 +35,18 @@ def add_norm_backward(x, residual, w1, rs, g_normed, g_res) -> torch.Tensor:
     _add_norm_bwd[(rows,)](x, residual, w1, rs, g_normed if g_normed is not None else dummy,
                            g_res if g_res is not None else dummy, gx, h, HAS_GN=g_normed is not None,
                            HAS_GR=g_res is not None, BLOCK=triton.next_power_of_2(h), num_warps=8)
+    return gx
+
+
+def norm_rope_backward(x, w1, rs, cos_sin, rot, g_out) -> torch.Tensor:
+    """Gradient of rope(bf16(x * rs(x) * w1)) w.r.t. x [N, heads, D] given g_out (the rotation of the first `rot`
+    channels undone, rounded to x's dtype as the forward stores the norm, then the norm's gradient per head).
+    w1 fp32 [D]; rs fp32 [N, heads, 1]; cos_sin [N, rot]."""
+    rows, heads, d = x.shape
+    gx = torch.empty_like(x)
+    _norm_rope_bwd[(rows,)](x, w1, rs, cos_sin, g_out, gx, heads, d, rot // 2, rot,
+                            TO_BF16=x.dtype == torch.bfloat16, BLOCK_H=triton.next_power_of_2(heads),
+                            BLOCK_D=triton.next_power_of_2(d), num_warps=8)
     return gx
 
 
