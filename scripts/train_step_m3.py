@@ -54,8 +54,6 @@ def parse_args(argv=None):
     p.add_argument("--activation-checkpointing", type=int, choices=(0, 1), default=1)
     p.add_argument("--moe-chunk-tokens", type=int, default=0, help="model.moe_chunk_tokens (0: off)")
     p.add_argument("--lora-rank", type=int, default=32)
-    p.add_argument("--msa-dq", choices=("partial", "atomic"), default=None,
-                   help="MSA block-outer dQ mode (rl.model.msa_block_plan.Config.dq; default: the Config default)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", type=int, choices=(0, 1), default=0,
@@ -315,12 +313,6 @@ def main(argv=None) -> int:
 
     rank, world, device = init_process_group(args.device)
     t = text_config(args)
-    if args.msa_dq:  # an experiment knob: the trainer's attention calls the block-outer MSA with its default Config
-        import dataclasses
-
-        from rl.model import msa_block_outer as mbo
-
-        mbo.sparse_attention.__defaults__ = (dataclasses.replace(mbo.DEFAULT, dq=args.msa_dq),)
     mesh = init_device_mesh(device.type, (world,))
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
