@@ -41,10 +41,10 @@ def add_norm_backward(x, residual, w1, rs, g_normed, g_res) -> torch.Tensor:
 def norm_rope_backward(x, w1, rs, cos_sin, rot, g_out) -> torch.Tensor:
     """Gradient of rope(bf16(x * rs(x) * w1)) w.r.t. x [N, heads, D] given g_out (the rotation of the first `rot`
     channels undone, rounded to x's dtype as the forward stores the norm, then the norm's gradient per head).
-    w1 fp32 [D]; rs fp32 [N, heads, 1]; cos_sin [N, rot]."""
+    w1 fp32 [D]; rs fp32 [N, heads, 1]; cos_sin [N, >= rot] (cos of the rot/2 frequencies, then their sin)."""
     rows, heads, d = x.shape
     gx = torch.empty_like(x)
-    _norm_rope_bwd[(rows,)](x, w1, rs, cos_sin, g_out, gx, heads, d, rot // 2, rot,
+    _norm_rope_bwd[(rows,)](x, w1, rs, cos_sin, g_out, gx, heads, d, rot // 2, rot, cos_sin.stride(0),
                             TO_BF16=x.dtype == torch.bfloat16, BLOCK_H=triton.next_power_of_2(heads),
                             BLOCK_D=triton.next_power_of_2(d), num_warps=8)
     return gx
@@ -93,8 +93,8 @@ if triton is not None:
         tl.store(gw_ptr + row, tl.sum(g * y, 0))
 
     @triton.jit
-    def _norm_rope_bwd(x_ptr, w1_ptr, rs_ptr, cs_ptr, g_ptr, gx_ptr, heads, d, half, rot, TO_BF16: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _norm_rope_bwd(x_ptr, w1_ptr, rs_ptr, cs_ptr, g_ptr, gx_ptr, heads, d, half, rot, cs_stride,
+                       TO_BF16: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         hh = tl.arange(0, BLOCK_H)[:, None]
         dd = tl.arange(0, BLOCK_D)[None, :]
@@ -104,8 +104,8 @@ if triton is not None:
         partner = tl.where(dd < half, dd + half, dd - half)
         rotated = dd < rot
         f = tl.where(dd < half, dd, dd - half)
-        cos = tl.load(cs_ptr + row * rot + f, mask=rotated, other=1.0).to(tl.float32)
-        sin = tl.load(cs_ptr + row * rot + half + f, mask=rotated, other=0.0).to(tl.float32)
+        cos = tl.load(cs_ptr + row * cs_stride + f, mask=rotated, other=1.0).to(tl.float32)
+        sin = tl.load(cs_ptr + row * cs_stride + half + f, mask=rotated, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + at, mask=ok, other=0.0).to(tl.float32)
         gp = tl.load(g_ptr + row * heads * d + hh * d + partner, mask=ok & rotated, other=0.0).to(tl.float32)
         gn = tl.where(dd < half, g * cos + gp * sin, g * cos - gp * sin)

@@ -48,7 +48,8 @@ def _norm_rope_cases(device, rows, heads, d, rot, run):
         x, g_out = (torch.randn(rows, heads, d, generator=gen).to(device, dtype) for _ in range(2))
         w1 = (1 + torch.randn(d, generator=gen) * 0.1).to(device)
         ang = torch.rand(rows, half, generator=gen) * 6.3
-        cos_sin = torch.cat([ang.cos(), ang.sin()], 1).to(device, dtype)
+        # a wider table than rot (columns past it unused): the kernel must follow the row stride
+        cos_sin = torch.cat([ang.cos(), ang.sin(), torch.randn(rows, 3, generator=gen)], 1).to(device, dtype)
         rs = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
         cos, sin = cos_sin[:, None, :half].float(), cos_sin[:, None, half:rot].float()
         g_normed = lean._rope(g_out.float(), cos, sin, half, rot, -1.0).to(dtype)
