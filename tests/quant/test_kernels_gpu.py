@@ -165,6 +165,12 @@ CONFIG_VARIANTS = {  # tile configs beside the defaults (scripts/bench_expert_ge
     "dgrad_BM256_BN64": ("dgrad", dict(BM=256, BK=128, BN=64, num_warps=8, num_stages=3, SWAP=False)),
     "dgrad_BM256_BN128_st2": ("dgrad", dict(BM=256, BK=128, BN=128, num_warps=8, num_stages=2, SWAP=False)),
     "dgrad_BM128_BN64": ("dgrad", dict(BM=128, BK=128, BN=64, num_warps=8, num_stages=3, SWAP=False)),
+    # the weights on the MMA's M side (A from registers: the MMAs stay async, pendings 3-7 in the compiled TTGIR,
+    # where the SWAP=False tiles wait on each one because the decoded B tile is single-buffered in shared memory)
+    "dgrad_BM128_BN64_swap": ("dgrad", dict(BM=128, BK=128, BN=64, num_warps=8, num_stages=3, SWAP=True)),
+    "dgrad_BM128_BN128_swap": ("dgrad", dict(BM=128, BK=128, BN=128, num_warps=8, num_stages=3, SWAP=True)),
+    "dgrad_BM64_BN64_swap": ("dgrad", dict(BM=64, BK=128, BN=64, num_warps=4, num_stages=4, SWAP=True)),
+    "dgrad_BM256_BN64_swap": ("dgrad", dict(BM=256, BK=128, BN=64, num_warps=8, num_stages=3, SWAP=True)),
 }
 
 
