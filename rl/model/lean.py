@@ -51,12 +51,17 @@ class _AddNorm(torch.autograd.Function):
             return gx, gx.to(residual.dtype), None, None
         gx = torch.empty_like(x)
         for a, b in row_chunks(x.shape[0]):
-            total = x[a:b].float() + residual[a:b].float()
-            g = _rms_backward(g_normed[a:b].float() * w1, total, rs[a:b]) if g_normed is not None else 0.0
-            if g_res is not None:
-                g = g + g_res[a:b].float()
-            gx[a:b] = g
+            rows = (None if t is None else t[a:b] for t in (g_normed, g_res))
+            gx[a:b] = _add_norm_grad(x[a:b], residual[a:b], w1, rs[a:b], *rows)
         return gx, gx.to(residual.dtype), None, None
+
+
+def _add_norm_grad(x, residual, w1, rs, g_normed, g_res):
+    """fp32 gradient of (normed, residual) w.r.t. x (= w.r.t. residual) for rows of _AddNorm's saved tensors and the
+    incoming gradients (either may be None)."""
+    total = x.float() + residual.float()
+    g = _rms_backward(g_normed.float() * w1, total, rs) if g_normed is not None else 0.0
+    return g + g_res.float() if g_res is not None else g
 
 
 def fused_add_norm(norm, x: torch.Tensor, residual: torch.Tensor):
@@ -94,13 +99,19 @@ class _NormRope(torch.autograd.Function):
         if lean_triton.usable(x):
             return (lean_triton.norm_rope_backward(x.contiguous(), w1.contiguous(), rs, cos_sin.contiguous(), ctx.rot,
                                                    g_out.contiguous()), None, None, None, None)
-        half, rot = ctx.rot // 2, ctx.rot
         gx = torch.empty_like(x)
         for a, b in row_chunks(x.shape[0]):
-            cos, sin = cos_sin[a:b, None, :half].float(), cos_sin[a:b, None, half:rot].float()
-            g_normed = _rope(g_out[a:b].float(), cos, sin, half, rot, -1.0).to(x.dtype)
-            gx[a:b] = _rms_backward(g_normed.float() * w1, x[a:b].float(), rs[a:b])
+            gx[a:b] = _norm_rope_grad(x[a:b], w1, rs[a:b], cos_sin[a:b], ctx.rot, g_out[a:b])
         return gx, None, None, None, None
+
+
+def _norm_rope_grad(x, w1, rs, cos_sin, rot, g_out):
+    """fp32 gradient of norm_rope w.r.t. rows x [N, heads, D] given g_out: the rotation undone, rounded to x's dtype
+    where the forward stores the norm, then the norm's gradient."""
+    half = rot // 2
+    cos, sin = cos_sin[:, None, :half].float(), cos_sin[:, None, half:rot].float()
+    g_normed = _rope(g_out.float(), cos, sin, half, rot, -1.0).to(x.dtype)
+    return _rms_backward(g_normed.float() * w1, x.float(), rs)
 
 
 def norm_rope(norm, x: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:

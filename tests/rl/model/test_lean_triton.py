@@ -17,15 +17,9 @@ import torch
 from tests.triton_interpreter import run_under_interpreter
 
 
-def _torch_backward(x, residual, w1, rs, g_normed, g_res):
+def _cases(device, rows, h, run):
     from rl.model import lean
 
-    total = x.float() + residual.float()
-    g = lean._rms_backward(g_normed.float() * w1, total, rs) if g_normed is not None else 0.0
-    return (g + g_res.float() if g_res is not None else g).to(x.dtype)
-
-
-def _cases(device, rows, h, run):
     gen = torch.Generator().manual_seed(0)
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -34,7 +28,8 @@ def _cases(device, rows, h, run):
         rs = torch.rsqrt((x.float() + r.float()).pow(2).mean(-1, keepdim=True) + 1e-6)
         for grads in ("both", "normed", "res"):
             a, b = (gn if grads != "res" else None), (gr if grads != "normed" else None)
-            ref, got = _torch_backward(x, r, w1, rs, a, b).float(), run(x, r, w1, rs, a, b).float()
+            ref = lean._add_norm_grad(x, r, w1, rs, a, b).to(dtype).float()  # the torch backward's chunk
+            got = run(x, r, w1, rs, a, b).float()
             out[f"{str(dtype)[6:]}_{grads}"] = float((got - ref).norm() / ref.norm())
     return out
 
@@ -51,9 +46,7 @@ def _norm_rope_cases(device, rows, heads, d, rot, run):
         # a wider table than rot (columns past it unused): the kernel must follow the row stride
         cos_sin = torch.cat([ang.cos(), ang.sin(), torch.randn(rows, 3, generator=gen)], 1).to(device, dtype)
         rs = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
-        cos, sin = cos_sin[:, None, :half].float(), cos_sin[:, None, half:rot].float()
-        g_normed = lean._rope(g_out.float(), cos, sin, half, rot, -1.0).to(dtype)
-        ref = lean._rms_backward(g_normed.float() * w1, x.float(), rs)
+        ref = lean._norm_rope_grad(x, w1, rs, cos_sin, rot, g_out)  # the torch backward's chunk, before its store
         got = run(x, w1, rs, cos_sin, rot, g_out).float()
         out[f"{str(dtype)[6:]}_norm_rope"] = float((got - ref).norm() / ref.norm())
     return out
