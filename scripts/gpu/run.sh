@@ -20,14 +20,15 @@
 # there are more than 6 of them. The last lines printed are the summary (tokens/s, MFU, memory, time split).
 source "$(dirname "$0")/lib.sh"
 BUDGET=${RUN_BUDGET_S:-100000}  # seconds for all steps: a step starts only with time left, and is cut to it
+# the trainer's GPU tests: its fast paths end to end and the kernels only it runs (fused SwiGLU, lean backwards)
+TRAINER_GPU_TESTS="tests/rl/model/test_trainer_gpu.py tests/rl/model/test_swiglu_triton.py tests/rl/model/test_lean_triton.py"
 lim() { local left=$(( BUDGET - SECONDS )); (( left < $1 )) && echo "$left" || echo "$1"; }
 for step in "$@"; do
   if (( BUDGET - SECONDS < 30 )); then echo "$step skipped: out of RUN_BUDGET_S" | tee -a "$OUT/summary.log"; continue; fi
   case "$step" in
     tests)
       M3RL_GPU_REPORT="$OUT/trainer_gpu.json" run tests "$(lim 300)" $P tests/quant/test_kernels_gpu.py \
-          tests/quant/test_cuda_matches_cpu.py tests/rl/model/test_trainer_gpu.py tests/rl/model/test_swiglu_triton.py \
-          tests/rl/model/test_lean_triton.py ;;
+          tests/quant/test_cuda_matches_cpu.py $TRAINER_GPU_TESTS ;;
     bench_expert)
       run bench_expert "$(lim 220)" python3 scripts/bench_expert_gemm.py --lora-loop --out "$OUT/bench_expert.json" ;;
     bench_mxfp8)
@@ -40,8 +41,7 @@ for step in "$@"; do
           --seqs-per-rank "$seqs" --steps 2 --base "$base" --shard-base 0 --moe-chunk-tokens "$chunk" --profile "$p" \
           --memory-peak "${mpeak:-0}" --out "$OUT/$name.json" ;;
     trainer_tests)
-      M3RL_GPU_REPORT="$OUT/trainer_gpu.json" run trainer_tests "$(lim 200)" $P -s tests/rl/model/test_trainer_gpu.py \
-          tests/rl/model/test_swiglu_triton.py tests/rl/model/test_lean_triton.py ;;
+      M3RL_GPU_REPORT="$OUT/trainer_gpu.json" run trainer_tests "$(lim 200)" $P -s $TRAINER_GPU_TESTS ;;
     block_tests)
       run block_tests "$(lim 200)" $P tests/rl/model/test_msa_block_outer.py ;;
     msa_tests)
