@@ -96,6 +96,7 @@ def main():
                        dict(HKVTOPK=a.hkv * a.topk, SIZE_ORDER=False, CH=1024), 4, 3),
         compile_report(mbo._fwd, types, dict(shapes, TM=ftm, BM=p2(ftm * g), PREC="tf32"), a.fwd_warps,
                        a.fwd_stages),
+        compile_report(mbog._fwd_gluon, types, dict(shapes, TM=ftm, BM=p2(ftm * g)), p2(ftm * g) // 16, 1),
         compile_report(mbo._bwd, types, dict(shapes, TM=btm, BM=p2(btm * g), BN=a.bwd_keys, PREC="tf32",
                                              DQ_ATOMIC=False), a.bwd_warps, a.bwd_stages),
         compile_report(mbog._bwd_gluon, types, dict(shapes, TM=btm, BM=p2(btm * g)), 8, 1),

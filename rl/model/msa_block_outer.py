@@ -46,9 +46,9 @@ from rl.model.msa_block_plan import DEFAULT, Config, Plan, build_plan  # noqa: F
 from rl.model.packed import seq_bounds, sequence_group_spans
 
 try:
-    from rl.model.msa_block_outer_gluon import _bwd_gluon
+    from rl.model.msa_block_outer_gluon import _bwd_gluon, _fwd_gluon
 except ImportError:  # no Triton or no Gluon
-    _bwd_gluon = None
+    _bwd_gluon = _fwd_gluon = None
 
 try:  # module-level jit functions: Triton's interpreter resolves callees from module globals
     import triton
@@ -244,16 +244,21 @@ def _tokens(rows: int, g: int) -> int:
     return max(1, rows // g)
 
 
-def _backward_kernel(q, config) -> str:
-    """Config.bwd_kernel resolved for these inputs: 'gluon' (Hopper wgmma) where it runs and was asked for or 'auto',
-    else 'triton'; a 'gluon' request that cannot run fails here, before the forward."""
-    fits = (_bwd_gluon is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
-            and config.bwd_keys == BLOCK and config.dq == "partial"
-            and torch.cuda.get_device_capability(q.device)[0] == 9)
-    if config.bwd_kernel == "gluon" and not fits:
-        raise ValueError("Config.bwd_kernel='gluon' needs Gluon, an sm_90 device, bf16/fp16, bwd_keys=128, "
-                         "dq='partial'")
-    return "gluon" if config.bwd_kernel != "triton" and fits else "triton"
+def _kernels(q, k, config) -> Config:
+    """Config.fwd_kernel / bwd_kernel resolved for these inputs: 'gluon' (Hopper wgmma) where it runs and was asked
+    for or 'auto', else 'triton'; a 'gluon' request that cannot run fails here, before any work."""
+    hopper = (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+              and torch.cuda.get_device_capability(q.device)[0] == 9)
+    fits = {"fwd_kernel": (_fwd_gluon is not None and hopper and q.shape[2] == BLOCK
+                           and _p2(_tokens(config.fwd_rows, q.shape[1] // k.shape[1]) * q.shape[1] // k.shape[1])
+                           in (64, 128)),
+            "bwd_kernel": (_bwd_gluon is not None and hopper and config.bwd_keys == BLOCK and config.dq == "partial")}
+    needs = {"fwd_kernel": "64- or 128-row tiles, head dim 128", "bwd_kernel": "bwd_keys=128, dq='partial'"}
+    for name, ok in fits.items():
+        if getattr(config, name) == "gluon" and not ok:
+            raise ValueError(f"Config.{name}='gluon' needs Gluon, an sm_90 device, bf16/fp16, {needs[name]}")
+    return dataclasses.replace(config, **{name: "gluon" if getattr(config, name) != "triton" and ok else "triton"
+                                          for name, ok in fits.items()})
 
 
 def _part_dtype(q, config):
@@ -271,11 +276,15 @@ def _forward(q, k, v, dense_out, plan: Plan, scale: float, config: Config, o, ls
     lpart = torch.empty(ne * g, dtype=torch.float32, device=q.device)
     qk_scale = scale * math.log2(math.e)
     tm = _tokens(config.fwd_rows, g)
-    if plan.n_max:
-        _fwd[(plan.n_max,)](
-            q, k, v, opart, lpart, plan.entries, plan.order, plan.item_key, plan.item_lo, plan.item_hi,
-            plan.kstart, t_count, plan.nkb, qk_scale, HQ=hq, HKV=hkv, G=g, TOPK=topk, TM=tm, BM=_p2(tm * g), D=dim,
-            PREC=prec, num_warps=config.fwd_warps, num_stages=config.fwd_stages)
+    tables = (plan.entries, plan.order, plan.item_key, plan.item_lo, plan.item_hi, plan.kstart, t_count, plan.nkb,
+              qk_scale)
+    bm = _p2(tm * g)
+    if plan.n_max and config.fwd_kernel == "gluon":  # resolved by sparse_attention
+        _fwd_gluon[(plan.n_max,)](q, k, v, opart, lpart, *tables, HQ=hq, HKV=hkv, G=g, TOPK=topk, TM=tm, BM=bm, D=dim,
+                                  num_warps=bm // 16)
+    elif plan.n_max:
+        _fwd[(plan.n_max,)](q, k, v, opart, lpart, *tables, HQ=hq, HKV=hkv, G=g, TOPK=topk, TM=tm, BM=bm, D=dim,
+                            PREC=prec, num_warps=config.fwd_warps, num_stages=config.fwd_stages)
     has_dense = dense_out is not None
     dense = dense_out.contiguous() if has_dense else o
     dense_row = plan.dense_row if has_dense else plan.slot_pos  # not read without a dense prefix
@@ -382,7 +391,7 @@ def sparse_attention(q, k, v, block_ids, cu_seqlens, scale: float, config: Confi
         return _causal_sdpa(q, k, v, [(s, e - s) for s, e in bounds if e > s], scale)
     if triton is None:
         raise RuntimeError("rl.model.msa_block_outer needs Triton (CUDA, or TRITON_INTERPRET=1 for tests)")
-    config = dataclasses.replace(config, bwd_kernel=_backward_kernel(q, config))
+    config = _kernels(q, k, config)
     groups, dense = [], []
     for s, e, group_cu in sequence_group_spans(bounds, config.group_tokens):
         plan = build_plan(block_ids[s:e], group_cu, config)

@@ -30,7 +30,7 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 except ImportError:  # CPU installs without Triton, or a Triton without Gluon
     gluon = None
-    _bwd_gluon = None
+    _bwd_gluon = _fwd_gluon = None
 
 
 if gluon is not None:
@@ -55,6 +55,99 @@ if gluon is not None:
         async_copy.async_copy_global_to_shared(lse_buf, lse_ptr + qrow, mask=ok)
         async_copy.async_copy_global_to_shared(dl_buf, delta_ptr + qrow, mask=ok)
         async_copy.commit_group()
+
+    @gluon.jit
+    def _copy_rows(q_buf, e_buf, q_ptr, ent_ptr, ok, slot, qrow, d, D: gl.constexpr):
+        # One commit group: a forward tile's gathered q rows and its entry ids (masked rows: zeros).
+        async_copy.async_copy_global_to_shared(q_buf, q_ptr + qrow[:, None] * D + d[None, :], mask=ok[:, None])
+        async_copy.async_copy_global_to_shared(e_buf, ent_ptr + slot, mask=ok)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _fwd_gluon(q_ptr, k_ptr, v_ptr, opart_ptr, lpart_ptr, ent_ptr, order_ptr, key_ptr, lo_ptr, hi_ptr, kstart_ptr,
+                   T, NKB, qk_scale, HQ: gl.constexpr, HKV: gl.constexpr, G: gl.constexpr, TOPK: gl.constexpr,
+                   TM: gl.constexpr, BM: gl.constexpr, D: gl.constexpr, num_warps: gl.constexpr):
+        # The forward of msa_block_outer._fwd with the MMAs asynchronous: per tile i, S(i+1) = Q K^T of the next tile
+        # runs while tile i's softmax does, and tile i+2's rows arrive (cp.async) during tile i.
+        BN: gl.constexpr = 128
+        dt: gl.constexpr = q_ptr.dtype.element_ty
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+        row_l: gl.constexpr = gl.SliceLayout(1, ld)
+        col_l: gl.constexpr = gl.SliceLayout(0, ld)
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, BN, 16])  # S: [BM rows, BN keys]
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, D, 16])  # O: [BM, D]
+        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+        srow_l: gl.constexpr = gl.SliceLayout(1, s_l)  # per tile row
+        scol_l: gl.constexpr = gl.SliceLayout(0, s_l)  # per key
+        kv_sh: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], dt)
+        q_sh: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], dt)
+        vec_sh: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        k_s = gl.allocate_shared_memory(dt, [BN, D], kv_sh)
+        v_s = gl.allocate_shared_memory(dt, [BN, D], kv_sh)
+        q_s = gl.allocate_shared_memory(dt, [2, BM, D], q_sh)
+        e_s = gl.allocate_shared_memory(gl.int32, [2, BM], vec_sh)
+
+        it = gl.load(order_ptr + gl.program_id(0)).to(gl.int32)
+        key = gl.load(key_ptr + it)
+        lo = gl.load(lo_ptr + it)
+        hi = gl.load(hi_ptr + it)
+        h = key // NKB
+        k0 = gl.load(kstart_ptr + key - h * NKB)
+        d = gl.arange(0, D, layout=col_l)
+        kidx = k0 + gl.arange(0, BN, layout=row_l)
+        kv_rows = (kidx[:, None] * HKV + h) * D + d[None, :]
+        async_copy.async_copy_global_to_shared(k_s, k_ptr + kv_rows, mask=(kidx < T)[:, None])
+        async_copy.async_copy_global_to_shared(v_s, v_ptr + kv_rows, mask=(kidx < T)[:, None])
+        async_copy.commit_group()
+        ok, slot, qrow = _entry_rows(ent_ptr, lo, hi, h, HQ, HKV, G, TOPK, TM, BM, row_l)
+        _copy_rows(q_s.index(0), e_s.index(0), q_ptr, ent_ptr, ok, slot, qrow, d, D)
+        ok, slot, qrow = _entry_rows(ent_ptr, lo + TM, hi, h, HQ, HKV, G, TOPK, TM, BM, row_l)
+        _copy_rows(q_s.index(1), e_s.index(1), q_ptr, ent_ptr, ok, slot, qrow, d, D)
+        n_ok, n_slot, n_qrow = _entry_rows(ent_ptr, lo + 2 * TM, hi, h, HQ, HKV, G, TOPK, TM, BM, row_l)
+        async_copy.wait_group(1)  # K/V and tile 0
+        fence_async_shared()
+        s_kidx = k0 + gl.arange(0, BN, layout=scol_l)
+        s_r = gl.arange(0, BM, layout=srow_l)
+        o_r = gl.arange(0, BM, layout=row_l)
+        zero_s = gl.zeros([BM, BN], gl.float32, s_l)
+        zero_o = gl.zeros([BM, D], gl.float32, o_l)
+        c_tok = e_s.index(0).load(srow_l) // (HKV * TOPK)
+        st = warpgroup_mma(q_s.index(0), k_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(0, deps=(st, ))
+        n_tiles = (hi - lo + TM - 1) // TM
+        for i in range(n_tiles):
+            base = lo + i * TM
+            buf = i % 2
+            async_copy.wait_group(0)  # tile i+1's rows
+            fence_async_shared()
+            nxt = warpgroup_mma(q_s.index(1 - buf), k_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            n_tok = e_s.index(1 - buf).load(srow_l) // (HKV * TOPK)
+            # Tile i+2's rows into this tile's buffers (their readers, S(i) and the token load, are done).
+            _copy_rows(q_s.index(buf), e_s.index(buf), q_ptr, ent_ptr, n_ok, n_slot, n_qrow, d, D)
+            # Softmax of tile i (this block's keys alone) while S(i+1) runs.
+            s = gl.where(s_kidx[None, :] <= c_tok[:, None], st * qk_scale, float("-inf"))  # log2 units
+            m = gl.max(s, 1)
+            m = gl.where(m == float("-inf"), 0.0, m)  # padding rows only: a selected block has a visible key
+            p = gl.exp2(s - m[:, None])
+            l = gl.sum(p, 1)
+            p_a = gl.convert_layout(p.to(dt), p_l)
+            o = warpgroup_mma(p_a, v_s, zero_o, use_acc=False, is_async=True)
+            n_ok, n_slot, n_qrow = _entry_rows(ent_ptr, base + 3 * TM, hi, h, HQ, HKV, G, TOPK, TM, BM, row_l)
+            nxt, o, p_a = warpgroup_mma_wait(0, deps=(nxt, o, p_a))
+            # Tile i's partial output (normalised) and log-sum-exp, rows [base*G, base*G + BM) of the partials.
+            l_o = gl.convert_layout(l, gl.SliceLayout(1, o_l))
+            o = o / gl.where(l_o > 0, l_o, 1.0)[:, None]
+            prow0 = base.to(gl.int64) * G
+            s_ok = (s_r < TM * G) & (base + s_r // G < hi)
+            gl.store(lpart_ptr + prow0 + s_r, m + gl.log2(l), mask=s_ok)
+            o_ok = (o_r < TM * G) & (base + o_r // G < hi)
+            gl.store(opart_ptr + (prow0 + o_r)[:, None] * D + d[None, :],
+                     gl.convert_layout(o.to(opart_ptr.dtype.element_ty), ld), mask=o_ok[:, None])
+            st = nxt
+            c_tok = n_tok
+        async_copy.wait_group(0)
 
     @gluon.jit
     def _bwd_gluon(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dks_ptr, dvs_ptr, ent_ptr, order_ptr,

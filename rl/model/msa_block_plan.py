@@ -40,6 +40,7 @@ class Config:
     # "gluon": rl.model.msa_block_outer_gluon (Hopper, 128-key programs: MMAs overlapped with the softmax work),
     # "triton": the Triton kernel (any device, the interpreter, 64-key programs); "auto": gluon where it runs
     bwd_kernel: str = "auto"
+    fwd_kernel: str = "auto"  # the same choice for the forward kernel (Gluon: 64- or 128-row tiles, warps = rows/16)
     part_dtype: str = "bf16"  # storage of partial outputs / dQ partials: "bf16" or "fp32"
     dq: str = "partial"  # "partial" (per-entry partials, then a sum) or "atomic" (fp32 atomic adds)
     item_tokens: int = 512  # entries per work item
@@ -56,7 +57,8 @@ class Config:
 
     def __post_init__(self):
         choices = {"part_dtype": ("bf16", "fp32"), "dq": ("partial", "atomic"), "order": ("size", "token"),
-                   "bwd_kernel": ("auto", "gluon", "triton")}
+                   "bwd_kernel": ("auto", "gluon", "triton"),
+                   "fwd_kernel": ("auto", "gluon", "triton")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"msa_block_outer Config.{name}={getattr(self, name)!r}: expected one of {allowed}")

@@ -6,7 +6,8 @@ dense prefix through SDPA and without it (then -1 padded slots reach the kernels
 into many work items (dK/dV summed over items), 64-key backward programs, atomic dQ, and G = 3 query heads per KV
 head (padded tile rows).
 GPU (`-m gpu`): bf16 at M3's shapes (64 q / 4 KV heads, d 128, top-16) at 4K, packed, 32K, with -1 padding and
-forced blocks, through `rl.model.msa.sparse_attention` (the default path) and each partial/dQ variant.
+forced blocks, through `rl.model.msa.sparse_attention` (the default path), each partial/dQ variant and each kernel
+(Gluon and Triton, forward and backward).
 """
 
 import json
@@ -110,10 +111,23 @@ def test_sequence_groups():
 def test_config_rejects_unknown_choices():
     from rl.model import msa_block_outer as mbo
 
-    for bad in (dict(bwd_kernel="glu0n"), dict(dq="atomics"), dict(order="lpt"), dict(part_dtype="fp16"),
-                dict(bwd_keys=96)):
+    for bad in (dict(bwd_kernel="glu0n"), dict(fwd_kernel="cuda"), dict(dq="atomics"), dict(order="lpt"),
+                dict(part_dtype="fp16"), dict(bwd_keys=96)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             mbo.Config(**bad)
+
+
+def test_gluon_kernels_resolve_per_device():
+    """'auto' falls back to the Triton kernels off Hopper (here: CPU tensors); an explicit 'gluon' request that cannot
+    run fails up front, naming the field."""
+    from rl.model import msa_block_outer as mbo
+
+    q, k = torch.zeros(8, 4, 128, dtype=torch.bfloat16), torch.zeros(8, 2, 128, dtype=torch.bfloat16)
+    resolved = mbo._kernels(q, k, mbo.Config())
+    assert (resolved.fwd_kernel, resolved.bwd_kernel) == ("triton", "triton")
+    for name in ("fwd_kernel", "bwd_kernel"):
+        with pytest.raises(ValueError, match=f"Config.{name}='gluon' needs"):
+            mbo._kernels(q, k, mbo.Config(**{name: "gluon"}))
 
 
 def test_plan_groups_every_selection_once():
@@ -171,6 +185,10 @@ GPU_CASES = {  # id -> (lengths, init blocks, config overrides); {} = the defaul
     "forced_init": ([6000, 2500], 2, {}),
     "fp32_parts_atomic_dq": ([5000], 1, {"part_dtype": "fp32", "dq": "atomic"}),
     "triton_backward": ([4096, 3000], 1, {"bwd_kernel": "triton"}),  # the default on sm_90 is the Gluon kernel
+    "triton_forward": ([1000, 3000, 96, 2100], 1, {"fwd_kernel": "triton"}),  # likewise
+    "gluon_forward_padding": ([1000, 3000, 96, 2100], 2, {"fwd_kernel": "gluon"}),  # -1 slots, forced init blocks
+    "gluon_forward_32k": ([32768], 0, {"fwd_kernel": "gluon"}),
+    "gluon_forward_128rows": ([5000, 700], 1, {"fwd_kernel": "gluon", "fwd_rows": 128}),
     "half_blocks_size_order": ([5000], 0, {"bwd_keys": 64, "bwd_warps": 4, "order": "size", "fwd_rows": 128,
                                            "fwd_warps": 8}),
 }
