@@ -4,8 +4,9 @@
 # STEPs, each logged to $OUT/<name>.log with its exit code and seconds in $OUT/summary.log:
 #   tests                 pytest -m gpu: the quant kernels, CUDA == CPU quant forms (tests/quant/test_kernels_gpu.py,
 #                         test_cuda_matches_cpu.py) and the trainer fast-paths test (tests/rl/model/test_trainer_gpu.py)
-#   bench_expert          scripts/bench_expert_gemm.py: NVFP4 kernel vs decode+cuBLAS vs bf16 _grouped_mm at
-#                         64..32768 tokens, grouped expert LoRA vs the per-expert loop at 65,536 tokens
+#   bench_expert[:ARGS]   scripts/bench_expert_gemm.py: NVFP4 kernel vs decode+cuBLAS vs bf16 _grouped_mm at
+#                         64..32768 tokens, grouped expert LoRA vs the per-expert loop at 65,536 tokens; ARGS ('+' for
+#                         spaces) replace --lora-loop (e.g. bench_expert:--variants+--tokens+4096,32768)
 #   bench_mxfp8           scripts/bench_mxfp8_linear.py --trainer (the trainer's projection shapes, 4 and 8 x 16K)
 #   slice:L:S:BASE[:P[:C[:M]]]  scripts/train_step_m3.py at M3 width: L layers, S x 16K tokens, BASE quantized|bf16,
 #                         activation checkpointing on, MoE chunks of C tokens (default 16384); P=1: the time split;
@@ -29,8 +30,9 @@ for step in "$@"; do
     tests)
       M3RL_GPU_REPORT="$OUT/trainer_gpu.json" run tests "$(lim 300)" $P tests/quant/test_kernels_gpu.py \
           tests/quant/test_cuda_matches_cpu.py $TRAINER_GPU_TESTS ;;
-    bench_expert)
-      run bench_expert "$(lim 220)" python3 scripts/bench_expert_gemm.py --lora-loop --out "$OUT/bench_expert.json" ;;
+    bench_expert|bench_expert:*)
+      extra=${step#bench_expert}; extra=${extra#:}; extra=${extra:---lora-loop}
+      run bench_expert "$(lim 220)" python3 scripts/bench_expert_gemm.py ${extra//+/ } --out "$OUT/bench_expert.json" ;;
     bench_mxfp8)
       run bench_mxfp8 "$(lim 100)" python3 scripts/bench_mxfp8_linear.py --trainer --out "$OUT/bench_mxfp8.json" ;;
     slice:*)
