@@ -40,9 +40,10 @@ from rl.model import msa  # noqa: E402
 # Gluon backward (run21-23): 256-token items, dQ stored while the next tile's MMAs run (run22), dQ stored straight from
 # the MMA layout, dQ issued before dK (run23): all slower than the default. Gluon backward vs Triton, 64-row merge
 # tiles: run24 (Triton 28.0 vs 26.4 ms at 32K; row_tile 64 26.7). Gluon forward vs Triton (10.2 vs 9.2 ms fwd at 32K),
-# 128-row Gluon forward tiles (10.9): run32.
-SWEEP_FWD = [dict(), dict(row_warps=4), dict(row_tile=64)]
-SWEEP_BWD = [dict(), dict(row_warps=4), dict(row_tile=64), dict(order="size")]
+# 128-row Gluon forward tiles (10.9): run32. Merge / dQ sum / delta on 8 warps (merge 4.3 vs 2.5 ms at 32K: one program
+# per SM at 179 registers), 64-row tiles on 8 warps: run34 (88eb7ca).
+SWEEP_FWD = [dict(), dict(fwd_kernel="triton"), dict(order="size")]
+SWEEP_BWD = [dict(), dict(fwd_kernel="triton"), dict(order="size")]
 
 
 def parse_args():

@@ -100,8 +100,8 @@ def main():
         compile_report(mbo._bwd, types, dict(shapes, TM=btm, BM=p2(btm * g), BN=a.bwd_keys, PREC="tf32",
                                              DQ_ATOMIC=False), a.bwd_warps, a.bwd_stages),
         compile_report(mbog._bwd_gluon, types, dict(shapes, TM=btm, BM=p2(btm * g)), 8, 1),
-        compile_report(mbo._merge, types, dict(shapes, R=a.row_tile, HAS_DENSE=False), a.row_warps, 3),
-        compile_report(mbo._reduce_dq, types, dict(shapes, NH=128 // a.bwd_keys, R=a.row_tile), a.row_warps, 3),
+        compile_report(mbo._merge, types, dict(shapes, R=a.row_tile, HAS_DENSE=False), 4, 3),
+        compile_report(mbo._reduce_dq, types, dict(shapes, NH=128 // a.bwd_keys, R=a.row_tile), 4, 3),
     ]
     print(json.dumps({"command": " ".join(["python"] + sys.argv), "arch": "sm_90", "kernels": rows}, indent=1))
 

@@ -291,8 +291,7 @@ def _forward(q, k, v, dense_out, plan: Plan, scale: float, config: Config, o, ls
     rows, r = t_count * hq, config.row_tile
     if t_count:
         _merge[(triton.cdiv(rows, r),)](opart, lpart, plan.slot_pos, dense_row, dense, o, lse, rows, HQ=hq,
-                                        HKV=hkv, G=g, TOPK=topk, D=dim, R=r, HAS_DENSE=has_dense,
-                                        num_warps=config.row_warps)
+                                        HKV=hkv, G=g, TOPK=topk, D=dim, R=r, HAS_DENSE=has_dense)
 
 
 def _backward(q, k, v, o, lse, do, plan: Plan, scale: float, config: Config, dq, dk, dv):
@@ -307,7 +306,7 @@ def _backward(q, k, v, o, lse, do, plan: Plan, scale: float, config: Config, dq,
     delta = torch.empty(t_count, hq, dtype=torch.float32, device=q.device)
     rows, r = t_count * hq, config.row_tile
     if t_count:
-        _delta[(triton.cdiv(rows, r),)](o, do, delta, rows, D=dim, R=r, num_warps=config.row_warps)
+        _delta[(triton.cdiv(rows, r),)](o, do, delta, rows, D=dim, R=r)
     atomic = config.dq == "atomic"
     dq_buf = (torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else
               torch.empty(nh * ne * g, dim, dtype=_part_dtype(q, config), device=q.device))
@@ -328,7 +327,7 @@ def _backward(q, k, v, o, lse, do, plan: Plan, scale: float, config: Config, dq,
         dq.copy_(dq_buf * scale)
     elif t_count:
         _reduce_dq[(triton.cdiv(rows, r),)](dq_buf, plan.slot_pos, dq, rows, ne, scale, HQ=hq, HKV=hkv, G=g,
-                                            TOPK=topk, D=dim, NH=nh, R=r, num_warps=config.row_warps)
+                                            TOPK=topk, D=dim, NH=nh, R=r)
     if plan.nkb:
         _reduce_dkdv[(hkv * plan.nkb,)](dks, dvs, plan.key_item0, plan.kstart, plan.kend, dk, dv, plan.nkb,
                                         scale, HKV=hkv, D=dim)

@@ -48,7 +48,6 @@ class Config:
     # tokens for less than SDPA plus gathering them (run12 sweep: 33.6 vs 34.9 ms at 32K, 5.1 vs 5.5 ms at 4K).
     dense_prefix_min: int = 0
     row_tile: int = 128  # rows per program of the row-wise kernels (merge, delta, dQ sum)
-    row_warps: int = 8  # their warps (sm_90 compiles: merge 255 registers + 112 B spilled with 4, 179 with 8)
     # Sequences per kernel call: consecutive sequences of at most this many tokens together (0: the whole batch). The
     # per-entry partials scale with the tokens of a call (~0.26 MB per token for M3); 16K-token calls run at the
     # 64K-token rate per token (run14c: 14.0 vs 55.9 ms fwd+bwd per 16K / 64K).
