@@ -15,10 +15,11 @@ stored as a bf16 partial per entry row.
 - dV += P^T dO is issued before waiting for dP^T, so dS = P (dP - delta) is computed while it runs;
 - the next tile's gathered q/dO rows are copied (cp.async) into the other buffer while this tile computes, and its
   entry ids two tiles ahead, so no global load latency is exposed inside the loop.
-Measured (results/gpu/run24): 12.8 ms at 32K tokens vs 14.7 ms for the Triton kernel (~53% of the bf16 matmul rate,
-was 46%). Tried and slower (run22, run23): storing dQ while the next tile's MMAs run (ptxas then serializes the MMAs:
-an accumulator is read inside the MMA pipeline), storing dQ straight from the MMA layout (uncoalesced), issuing dQ
-before dK.
+- dQ = dS K takes dS straight from the shared memory it is exchanged through (no copy into registers).
+Measured: 12.8 ms at 32K tokens vs 14.7 ms for the Triton kernel (results/gpu/run24; ~53% of the bf16 matmul rate,
+was 46%); 12.0 ms with dS from shared memory (run35: 12.68 ms beside it). Tried and slower (run22, run23): storing dQ
+while the next tile's MMAs run (ptxas then serializes the MMAs: an accumulator is read inside the MMA pipeline),
+storing dQ straight from the MMA layout (uncoalesced), issuing dQ before dK.
 
 Operands bf16, fp32 accumulation, P and dS rounded to bf16 before their MMAs, as in the Triton kernels: the same
 results up to accumulation order (the GPU tests hold both to the fp32 reference's bounds). Gluon has no interpreter:
@@ -173,7 +174,6 @@ if gluon is not None:
         dq_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
                                                        instr_shape=[16, D // (num_warps // 4), 16])  # dQ: [BM, D]
         a_kv: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_l, k_width=2)
-        a_dq: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_l, k_width=2)
         scol_l: gl.constexpr = gl.SliceLayout(0, s_l)  # per tile row (a column of S^T)
         srow_l: gl.constexpr = gl.SliceLayout(1, s_l)  # per key
         kv_sh: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], dt)
@@ -245,7 +245,7 @@ if gluon is not None:
             dk = warpgroup_mma(ds_a, qb, dk, is_async=True)
             ds_s.store(dst)
             fence_async_shared()
-            dq = warpgroup_mma(ds_s.permute((1, 0)).load(a_dq), k_s, zero_dq, use_acc=False, is_async=True)
+            dq = warpgroup_mma(ds_s.permute((1, 0)), k_s, zero_dq, use_acc=False, is_async=True)
             dq, dk, dv, p_a, ds_a = warpgroup_mma_wait(0, deps=(dq, dk, dv, p_a, ds_a))
             q_ok = (dq_r < TM * G) & (base + dq_r // G < hi)
             tile = dq_ptr + base.to(gl.int64) * (G * D)
