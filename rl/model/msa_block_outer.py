@@ -25,12 +25,12 @@ On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1; tests onl
 The plan (`build_plan`) never waits for the device: the grid is a host-computed bound on the number of items, the
 tail of the item tables is empty rows, launched last, whose programs do no work.
 
-Measured on one H200 (results/gpu/run24, issue18_targets.json; 64 q / 4 KV heads, d 128, top-16, bf16): fwd 9.9 ms,
-fwd+bwd 25.9 ms at 32K tokens (per-token kernels 99 ms, dense causal SDPA 115 ms), 52.3 ms at 64K (SDPA 455 ms);
-faster than SDPA from 8K tokens (single sequence), 1.5x slower at 4K. The backward on Hopper is the Gluon kernel of
-rl.model.msa_block_outer_gluon (12.8 ms at 32K; this file's Triton `_bwd`, 14.7 ms, runs elsewhere and on
-Config.bwd_kernel='triton'); the forward kernel 6.9 ms, the merge and dQ sum 4.7 ms (at bandwidth: the cost of the
-partials), the plan 0.3 ms of GPU time.
+Measured on one H200 (results/gpu/run36, issue18_targets.json; 64 q / 4 KV heads, d 128, top-16, bf16): fwd 9.5 ms,
+fwd+bwd 24.7 ms at 32K tokens (per-token kernels 99 ms, dense causal SDPA 113 ms), 49.1 ms at 64K (SDPA 448 ms);
+faster than SDPA from 8K tokens (single sequence), 1.5x slower at 4K. On Hopper the forward and backward are the Gluon
+kernels of rl.model.msa_block_outer_gluon (5.8 and 12.0 ms at 32K; this file's Triton `_fwd` and `_bwd`, 6.9 and 14.7
+ms, run elsewhere and on Config.fwd_kernel / bwd_kernel='triton'); the merge and dQ sum 4.6 ms (at bandwidth: the cost
+of the partials), the plan 0.3 ms of GPU time.
 """
 
 from __future__ import annotations

@@ -52,6 +52,24 @@ if gluon is not None:
         return ok, slot, e // (HKV * TOPK) * HQ + h * G + r % G
 
     @gluon.jit
+    def _item_kv(order_ptr, key_ptr, lo_ptr, hi_ptr, kstart_ptr, k_ptr, v_ptr, k_s, v_s, T, NKB, HKV: gl.constexpr,
+                 D: gl.constexpr, BN: gl.constexpr, row_l: gl.constexpr, col_l: gl.constexpr):
+        # The launched item (its KV head, entry range and first key) and one commit group copying its K/V block.
+        it = gl.load(order_ptr + gl.program_id(0)).to(gl.int32)
+        key = gl.load(key_ptr + it)
+        lo = gl.load(lo_ptr + it)
+        hi = gl.load(hi_ptr + it)
+        h = key // NKB
+        k0 = gl.load(kstart_ptr + key - h * NKB)
+        d = gl.arange(0, D, layout=col_l)
+        kidx = k0 + gl.arange(0, BN, layout=row_l)
+        kv_rows = (kidx[:, None] * HKV + h) * D + d[None, :]
+        async_copy.async_copy_global_to_shared(k_s, k_ptr + kv_rows, mask=(kidx < T)[:, None])
+        async_copy.async_copy_global_to_shared(v_s, v_ptr + kv_rows, mask=(kidx < T)[:, None])
+        async_copy.commit_group()
+        return it, h, lo, hi, k0, d
+
+    @gluon.jit
     def _copy_tile(q_buf, do_buf, e_buf, lse_buf, dl_buf, q_ptr, do_ptr, ent_ptr, lse_ptr, delta_ptr, ok, slot, qrow, d,
                    D: gl.constexpr):
         # One commit group: a tile's gathered q/dO rows and its entry ids / LSE / delta (masked rows: zeros).
@@ -96,18 +114,8 @@ if gluon is not None:
         q_s = gl.allocate_shared_memory(dt, [2, BM, D], q_sh)
         e_s = gl.allocate_shared_memory(gl.int32, [2, BM], vec_sh)
 
-        it = gl.load(order_ptr + gl.program_id(0)).to(gl.int32)
-        key = gl.load(key_ptr + it)
-        lo = gl.load(lo_ptr + it)
-        hi = gl.load(hi_ptr + it)
-        h = key // NKB
-        k0 = gl.load(kstart_ptr + key - h * NKB)
-        d = gl.arange(0, D, layout=col_l)
-        kidx = k0 + gl.arange(0, BN, layout=row_l)
-        kv_rows = (kidx[:, None] * HKV + h) * D + d[None, :]
-        async_copy.async_copy_global_to_shared(k_s, k_ptr + kv_rows, mask=(kidx < T)[:, None])
-        async_copy.async_copy_global_to_shared(v_s, v_ptr + kv_rows, mask=(kidx < T)[:, None])
-        async_copy.commit_group()
+        it, h, lo, hi, k0, d = _item_kv(order_ptr, key_ptr, lo_ptr, hi_ptr, kstart_ptr, k_ptr, v_ptr, k_s, v_s, T, NKB,
+                                        HKV, D, BN, row_l, col_l)
         ok, slot, qrow = _entry_rows(ent_ptr, lo, hi, h, HQ, HKV, G, TOPK, TM, BM, row_l)
         _copy_rows(q_s.index(0), e_s.index(0), q_ptr, ent_ptr, ok, slot, qrow, d, D)
         ok, slot, qrow = _entry_rows(ent_ptr, lo + TM, hi, h, HQ, HKV, G, TOPK, TM, BM, row_l)
@@ -192,18 +200,8 @@ if gluon is not None:
         lse_s = gl.allocate_shared_memory(gl.float32, [2, BM], vec_sh)
         dl_s = gl.allocate_shared_memory(gl.float32, [2, BM], vec_sh)
 
-        it = gl.load(order_ptr + gl.program_id(0)).to(gl.int32)
-        key = gl.load(key_ptr + it)
-        lo = gl.load(lo_ptr + it)
-        hi = gl.load(hi_ptr + it)
-        h = key // NKB
-        k0 = gl.load(kstart_ptr + key - h * NKB)
-        d = gl.arange(0, D, layout=col_l)
-        kidx = k0 + gl.arange(0, BN, layout=row_l)
-        kv_rows = (kidx[:, None] * HKV + h) * D + d[None, :]
-        async_copy.async_copy_global_to_shared(k_s, k_ptr + kv_rows, mask=(kidx < T)[:, None])
-        async_copy.async_copy_global_to_shared(v_s, v_ptr + kv_rows, mask=(kidx < T)[:, None])
-        async_copy.commit_group()
+        it, h, lo, hi, k0, d = _item_kv(order_ptr, key_ptr, lo_ptr, hi_ptr, kstart_ptr, k_ptr, v_ptr, k_s, v_s, T, NKB,
+                                        HKV, D, BN, row_l, col_l)
         ok, slot, qrow = _entry_rows(ent_ptr, lo, hi, h, HQ, HKV, G, TOPK, TM, BM, row_l)
         _copy_tile(q_s.index(0), do_s.index(0), e_s.index(0), lse_s.index(0), dl_s.index(0), q_ptr, do_ptr, ent_ptr,
                    lse_ptr, delta_ptr, ok, slot, qrow, d, D)
