@@ -39,7 +39,7 @@ from rl.model import msa  # noqa: E402
 # programs (fewer register spills, two dQ partials per block), 1 backward stage, 4 forward stages: run14 (all slower).
 # Gluon backward (run21-23): 256-token items, dQ stored while the next tile's MMAs run (run22), dQ stored straight from
 # the MMA layout, dQ issued before dK (run23): all slower than the default. Gluon backward vs Triton, 64-row merge
-# tiles: run24 (Triton 28.0 vs 26.4 ms at 32K; row_tile 64 26.7). Gluon forward vs Triton (10.2 vs 9.2 ms fwd at 32K),
+# tiles: run24 (Triton 28.0 vs 26.4 ms at 32K; row_tile 64 26.7). Triton forward vs Gluon (10.2 vs 9.2 ms fwd at 32K),
 # 128-row Gluon forward tiles (10.9): run32. Merge / dQ sum / delta on 8 warps (merge 4.3 vs 2.5 ms at 32K: one program
 # per SM at 179 registers), 64-row tiles on 8 warps: run34 (88eb7ca). Merge / dQ sum with their slot loop unrolled
 # (tl.static_range) on 32-row tiles: merge 3.08 vs 2.48 ms, dQ sum 2.01 vs 2.14 at 32K (run35; 128-row tiles spill).

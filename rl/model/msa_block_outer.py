@@ -249,9 +249,9 @@ def _kernels(q, k, config) -> Config:
     for or 'auto', else 'triton'; a 'gluon' request that cannot run fails here, before any work."""
     hopper = (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
               and torch.cuda.get_device_capability(q.device)[0] == 9)
-    fits = {"fwd_kernel": (_fwd_gluon is not None and hopper and q.shape[2] == BLOCK
-                           and _p2(_tokens(config.fwd_rows, q.shape[1] // k.shape[1]) * q.shape[1] // k.shape[1])
-                           in (64, 128)),
+    g = q.shape[1] // k.shape[1]
+    fits = {"fwd_kernel": (_fwd_gluon is not None and hopper and q.shape[2] == 128
+                           and _p2(_tokens(config.fwd_rows, g) * g) in (64, 128)),
             "bwd_kernel": (_bwd_gluon is not None and hopper and config.bwd_keys == BLOCK and config.dq == "partial")}
     needs = {"fwd_kernel": "64- or 128-row tiles, head dim 128", "bwd_kernel": "bwd_keys=128, dq='partial'"}
     for name, ok in fits.items():
