@@ -134,7 +134,7 @@ def build_plan(block_ids: torch.Tensor, cu_seqlens, config: Config = DEFAULT) ->
     gid, pos, entries, item_key, lo, hi, order, key_item0 = tables
     dense_row, dense_idx = None, torch.empty(0, dtype=torch.int64, device=device)
     if prefixes:
-        dense_idx = torch.cat([torch.arange(s, s + p) for s, p in prefixes]).to(device)
+        dense_idx = to_device([i for s, p in prefixes for i in range(s, s + p)], device)  # <= topk*128 per sequence
         dense_row = torch.full((t_count,), -1, dtype=torch.int32, device=device)
         dense_row[dense_idx] = torch.arange(len(dense_idx), dtype=torch.int32, device=device)
     return Plan(entries, item_key, lo, hi, order, key_item0, kstart_d, kend_d, gid, pos, dense_row, dense_idx,
