@@ -26,9 +26,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 DIVISIBLE_INTS = ("T", "NKB", "NE")
 
 
-def compile_report(fn, types, constexprs, num_warps, num_stages, arch=90):
-    """Compile `fn` for sm_<arch> as a launch would (alignment hints); registers / stack / static shared from
-    cuobjdump, dynamic shared from Triton."""
+def compile_report(fn, types, constexprs, num_warps, num_stages, arch=90, divisible=DIVISIBLE_INTS):
+    """Compile `fn` for sm_<arch> as a launch would (alignment hints: pointers and the int arguments named in
+    `divisible`); registers / stack / static shared from cuobjdump, dynamic shared from Triton."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -40,7 +40,7 @@ def compile_report(fn, types, constexprs, num_warps, num_stages, arch=90):
     names = fn.arg_names
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if n not in constexprs and (sig[n].startswith("*") or n in DIVISIBLE_INTS)}
+             if n not in constexprs and (sig[n].startswith("*") or n in divisible)}
     src = ASTSource(fn, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps,
                                                                                num_stages=num_stages))

@@ -332,7 +332,8 @@ def launch_fwd(x, packed, scale, gs, offsets, out=None, config=None, decoder=Non
 
 
 def launch_dgrad(dy, packed, scale, gs, offsets, out=None, config=None, decoder=None):
-    """Input-gradient kernel: dx [M, K] bf16 (into ``out`` if given); ``config`` overrides ``dgrad_config``'s tiles."""
+    """Input-gradient kernel: dx [M, K] bf16 (into ``out`` if given); ``config`` overrides ``dgrad_config``'s tiles;
+    ``config={"GLUON": True, ...}`` runs the Gluon kernel of ``nvfp4_moe_gluon`` instead (sm_90; not yet measured)."""
     triton, _, dgrad_kernel = _kernels()
     e, n, kh = packed.shape
     k = kh * 2
@@ -345,6 +346,10 @@ def launch_dgrad(dy, packed, scale, gs, offsets, out=None, config=None, decoder=
         out = torch.empty(m, k, dtype=torch.bfloat16, device=dy.device)
     if m == 0:
         return out
+    if cfg.get("GLUON"):
+        from quant.kernels.nvfp4_moe_gluon import launch_dgrad_gluon
+
+        return launch_dgrad_gluon(dy, packed, scale, gs, offsets, out, cfg)
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
     grid = ((triton.cdiv(m, bm) + e) * triton.cdiv(k, bk),)
     dgrad_kernel[grid](

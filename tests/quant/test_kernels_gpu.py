@@ -171,6 +171,9 @@ CONFIG_VARIANTS = {  # tile configs beside the defaults (scripts/bench_expert_ge
     "dgrad_BM128_BN128_swap": ("dgrad", dict(BM=128, BK=128, BN=128, num_warps=8, num_stages=3, SWAP=True)),
     "dgrad_BM64_BN64_swap": ("dgrad", dict(BM=64, BK=128, BN=64, num_warps=4, num_stages=4, SWAP=True)),
     "dgrad_BM256_BN64_swap": ("dgrad", dict(BM=256, BK=128, BN=64, num_warps=8, num_stages=3, SWAP=True)),
+    # the Gluon kernel (quant/kernels/nvfp4_moe_gluon.py): decoded weights double-buffered, MMAs asynchronous
+    "dgrad_gluon_BM128": ("dgrad", dict(GLUON=True, BM=128, BK=128, BN=128)),
+    "dgrad_gluon_BM64": ("dgrad", dict(GLUON=True, BM=64, BK=128, BN=128)),
 }
 
 
@@ -189,6 +192,21 @@ def test_nvfp4_moe_config_variants(name):
     out = torch.full((inp.shape[0], n if fwd else k), float("nan"), dtype=BF16, device=DEV)
     got = launch(inp, packed, scale, gs, offsets, out=out, config=cfg)
     _assert_bound(got, ref, absref, k if fwd else n, f"config {name}")
+
+
+@pytest.mark.parametrize("e,n,k,counts", [(8, 384, 384, [75, 64, 90, 0, 128, 33, 65, 145]),
+                                           (6, 200, 272, [5, 0, 0, 19, 1, 40])])  # N, K not multiples of the tile
+def test_nvfp4_moe_gluon_dgrad_edges(e, n, k, counts):
+    gen = torch.Generator(device=DEV).manual_seed(99 + n + k)
+    packed, scale, gs = _nvfp4_stack(e, n, k, gen)
+    offsets = _offsets_from_counts(counts)
+    dy = torch.randn(sum(counts), n, device=DEV, dtype=BF16, generator=gen)
+    ref = _ref_dgrad(dy, packed, scale, gs, offsets)
+    absref = _ref_dgrad(dy.abs(), *_abs_stack(packed, scale), gs, offsets)
+    for bm in (64, 128):
+        out = torch.full((dy.shape[0], k), float("nan"), dtype=BF16, device=DEV)
+        got = gemm.launch_dgrad(dy, packed, scale, gs, offsets, out=out, config=dict(GLUON=True, BM=bm))
+        _assert_bound(got, ref, absref, n, f"gluon dgrad BM={bm} E{e} N{n} K{k}")
 
 
 def test_nvfp4_moe_skewed_and_empty():

@@ -1,0 +1,33 @@
+"""Compile the Gluon NVFP4 expert input-gradient kernel (quant.kernels.nvfp4_moe_gluon) for Hopper without a GPU;
+print registers, spills, shared memory and whether ptxas serialized the wgmma pipeline, per tile config, as JSON.
+
+    PYTHONPATH=.venv/triton-interpret python scripts/expert_kernel_resources.py
+
+Same method as scripts/msa_kernel_resources.py (whose compile_report it uses), at M3's expert shapes: every int
+argument is a multiple of 16 there (N, K = 3072 or 6144; K/2, K/16; row strides), as a launch specializes them.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from msa_kernel_resources import compile_report  # noqa: E402
+
+CONFIGS = [dict(BM=128, BK=128, BN=128), dict(BM=64, BK=128, BN=128)]
+
+
+def main():
+    from quant.kernels import nvfp4_moe_gluon as g
+
+    types = {"dy_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "gs_ptr": "*fp32", "off_ptr": "*i64",
+             "dx_ptr": "*bf16"}
+    ints = ("N", "K", "KB", "KS", "stride_dym", "stride_dxm")
+    rows = [dict(compile_report(g._dgrad_gluon, types, dict(cfg, E_P2=128), cfg["BM"] // 16, 1, divisible=ints),
+                 **cfg) for cfg in CONFIGS]
+    print(json.dumps({"command": " ".join(["python"] + sys.argv), "arch": "sm_90", "kernels": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
