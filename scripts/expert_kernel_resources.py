@@ -1,5 +1,5 @@
-"""Compile the Gluon NVFP4 expert input-gradient kernel (quant.kernels.nvfp4_moe_gluon) for Hopper without a GPU;
-print registers, spills, shared memory and whether ptxas serialized the wgmma pipeline, per tile config, as JSON.
+"""Compile the Gluon NVFP4 expert GEMM (quant.kernels.nvfp4_moe_gluon; forward and input gradient) for Hopper without
+a GPU; print registers, spills, shared memory and whether ptxas serialized the wgmma pipeline, per config, as JSON.
 
     PYTHONPATH=.venv/triton-interpret python scripts/expert_kernel_resources.py
 
@@ -15,16 +15,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from msa_kernel_resources import compile_report  # noqa: E402
 
-CONFIGS = [dict(BM=128, BK=128, BN=128), dict(BM=64, BK=128, BN=128)]
+CONFIGS = [dict(BM=bm, BO=128, BR=128, DGRAD=dgrad) for dgrad in (True, False) for bm in (128, 64)]
 
 
 def main():
     from quant.kernels import nvfp4_moe_gluon as g
 
-    types = {"dy_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "gs_ptr": "*fp32", "off_ptr": "*i64",
-             "dx_ptr": "*bf16"}
-    ints = ("N", "K", "KB", "KS", "stride_dym", "stride_dxm")
-    rows = [dict(compile_report(g._dgrad_gluon, types, dict(cfg, E_P2=128), cfg["BM"] // 16, 1, divisible=ints),
+    types = {"in_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "gs_ptr": "*fp32", "off_ptr": "*i64",
+             "out_ptr": "*bf16"}
+    ints = ("N", "K", "KB", "KS", "stride_in", "stride_out")
+    rows = [dict(compile_report(g._gemm_gluon, types, dict(cfg, E_P2=128), cfg["BM"] // 16, 1, divisible=ints),
                  **cfg) for cfg in CONFIGS]
     print(json.dumps({"command": " ".join(["python"] + sys.argv), "arch": "sm_90", "kernels": rows}, indent=1))
 

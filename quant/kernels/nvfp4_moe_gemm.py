@@ -306,7 +306,8 @@ def _prep(packed, scale, decoder):
 
 
 def launch_fwd(x, packed, scale, gs, offsets, out=None, config=None, decoder=None):
-    """Forward kernel: y [M, N] bf16 (into ``out`` if given); ``config`` overrides ``fwd_config``'s tiles."""
+    """Forward kernel: y [M, N] bf16 (into ``out`` if given); ``config`` overrides ``fwd_config``'s tiles;
+    ``config={"GLUON": True, ...}`` runs the Gluon kernel of ``nvfp4_moe_gluon`` instead (sm_90; not yet measured)."""
     triton, fwd_kernel, _ = _kernels()
     e, n, kh = packed.shape
     k = kh * 2
@@ -319,6 +320,10 @@ def launch_fwd(x, packed, scale, gs, offsets, out=None, config=None, decoder=Non
         out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     if m == 0:
         return out
+    if cfg.get("GLUON"):
+        from quant.kernels.nvfp4_moe_gluon import launch_gluon
+
+        return launch_gluon(x, packed, scale, gs, offsets, out, cfg, dgrad=False)
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
     grid = ((triton.cdiv(m, bm) + e) * triton.cdiv(n, bn),)
     fwd_kernel[grid](
@@ -347,9 +352,9 @@ def launch_dgrad(dy, packed, scale, gs, offsets, out=None, config=None, decoder=
     if m == 0:
         return out
     if cfg.get("GLUON"):
-        from quant.kernels.nvfp4_moe_gluon import launch_dgrad_gluon
+        from quant.kernels.nvfp4_moe_gluon import launch_gluon
 
-        return launch_dgrad_gluon(dy, packed, scale, gs, offsets, out, cfg)
+        return launch_gluon(dy, packed, scale, gs, offsets, out, cfg, dgrad=True)
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
     grid = ((triton.cdiv(m, bm) + e) * triton.cdiv(k, bk),)
     dgrad_kernel[grid](

@@ -174,6 +174,8 @@ CONFIG_VARIANTS = {  # tile configs beside the defaults (scripts/bench_expert_ge
     # the Gluon kernel (quant/kernels/nvfp4_moe_gluon.py): decoded weights double-buffered, MMAs asynchronous
     "dgrad_gluon_BM128": ("dgrad", dict(GLUON=True, BM=128, BK=128, BN=128)),
     "dgrad_gluon_BM64": ("dgrad", dict(GLUON=True, BM=64, BK=128, BN=128)),
+    "fwd_gluon_BM128": ("fwd", dict(GLUON=True, BM=128, BK=128, BN=128)),
+    "fwd_gluon_BM64": ("fwd", dict(GLUON=True, BM=64, BK=128, BN=128)),
 }
 
 
@@ -196,17 +198,20 @@ def test_nvfp4_moe_config_variants(name):
 
 @pytest.mark.parametrize("e,n,k,counts", [(8, 384, 384, [75, 64, 90, 0, 128, 33, 65, 145]),
                                            (6, 200, 272, [5, 0, 0, 19, 1, 40])])  # N, K not multiples of the tile
-def test_nvfp4_moe_gluon_dgrad_edges(e, n, k, counts):
+def test_nvfp4_moe_gluon_edges(e, n, k, counts):
+    """The Gluon kernels both ways, with tiles cut by N, K and the experts' row counts."""
     gen = torch.Generator(device=DEV).manual_seed(99 + n + k)
     packed, scale, gs = _nvfp4_stack(e, n, k, gen)
     offsets = _offsets_from_counts(counts)
+    x = torch.randn(sum(counts), k, device=DEV, dtype=BF16, generator=gen)
     dy = torch.randn(sum(counts), n, device=DEV, dtype=BF16, generator=gen)
-    ref = _ref_dgrad(dy, packed, scale, gs, offsets)
-    absref = _ref_dgrad(dy.abs(), *_abs_stack(packed, scale), gs, offsets)
-    for bm in (64, 128):
-        out = torch.full((dy.shape[0], k), float("nan"), dtype=BF16, device=DEV)
-        got = gemm.launch_dgrad(dy, packed, scale, gs, offsets, out=out, config=dict(GLUON=True, BM=bm))
-        _assert_bound(got, ref, absref, n, f"gluon dgrad BM={bm} E{e} N{n} K{k}")
+    for inp, reference, launch, red in ((x, _ref_fwd, gemm.launch_fwd, k), (dy, _ref_dgrad, gemm.launch_dgrad, n)):
+        ref = reference(inp, packed, scale, gs, offsets)
+        absref = reference(inp.abs(), *_abs_stack(packed, scale), gs, offsets)
+        for bm in (64, 128):
+            out = torch.full(ref.shape, float("nan"), dtype=BF16, device=DEV)
+            got = launch(inp, packed, scale, gs, offsets, out=out, config=dict(GLUON=True, BM=bm))
+            _assert_bound(got, ref, absref, red, f"gluon {launch.__name__} BM={bm} E{e} N{n} K{k}")
 
 
 def test_nvfp4_moe_skewed_and_empty():
