@@ -1,7 +1,8 @@
 """The Gluon NVFP4 expert GEMM (quant.kernels.nvfp4_moe_gluon, forward and input gradient) compiled for Hopper
-(sm_90) on this CPU machine by scripts/expert_kernel_resources.py. Gluon has no interpreter, so this is what `make test` sees of it: it
-must compile at M3's shapes, fit in shared memory, not spill, and keep its MMAs asynchronous (ptxas reports C7514
-when it serializes them). Its results are checked on the GPU (tests/quant/test_kernels_gpu.py, *_gluon_*)."""
+(sm_90) on this CPU machine by scripts/expert_kernel_resources.py. Gluon has no interpreter, so this is what
+`make test` sees of it: it must compile at M3's shapes, fit in shared memory, not spill, and keep its MMAs
+asynchronous (ptxas reports C7514 when it serializes them). Its results are checked on the GPU
+(tests/quant/test_kernels_gpu.py, *_gluon_*)."""
 
 import json
 
