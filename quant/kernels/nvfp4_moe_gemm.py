@@ -321,7 +321,7 @@ def launch_fwd(x, packed, scale, gs, offsets, out=None, config=None, decoder=Non
     if m == 0:
         return out
     if cfg.get("GLUON"):
-        from quant.kernels.nvfp4_moe_gluon import launch_gluon
+        from quant.kernels.nvfp4_moe_gluon import launch_gluon  # imports Triton and Gluon: only on this opt-in path
 
         return launch_gluon(x, packed, scale, gs, offsets, out, cfg, dgrad=False)
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
@@ -352,7 +352,7 @@ def launch_dgrad(dy, packed, scale, gs, offsets, out=None, config=None, decoder=
     if m == 0:
         return out
     if cfg.get("GLUON"):
-        from quant.kernels.nvfp4_moe_gluon import launch_gluon
+        from quant.kernels.nvfp4_moe_gluon import launch_gluon  # imports Triton and Gluon: only on this opt-in path
 
         return launch_gluon(dy, packed, scale, gs, offsets, out, cfg, dgrad=True)
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
