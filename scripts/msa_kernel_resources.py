@@ -87,19 +87,18 @@ def main():
     f32 = {n: "*fp32" for n in ("lpart_ptr", "lse_ptr", "delta_ptr", "dks_ptr", "dvs_ptr")}
     types = {**i32, **bf16, **f32, "ids_ptr": "*i64", "order_ptr": "*i64", "idx_ptr": "*i64", "qk_scale": "fp32",
              "scale": "fp32"}
-    ftm, btm = max(1, a.fwd_rows // g), max(1, a.bwd_rows // g)
-    p2 = lambda n: max(16, 1 << (n - 1).bit_length())  # noqa: E731
+    (ftm, fbm), (btm, bbm) = mbo.tile_shape(a.fwd_rows, g), mbo.tile_shape(a.bwd_rows, g)
     rows = [
         compile_report(mbp._plan_keys, types, dict(HKV=a.hkv, TOPK=a.topk, BE=1024), 4, 3),
         compile_report(mbp._plan_pos, types, dict(BE=1024), 4, 3),
         compile_report(mbp._plan_items, types,
                        dict(HKVTOPK=a.hkv * a.topk, SIZE_ORDER=False, CH=1024), 4, 3),
-        compile_report(mbo._fwd, types, dict(shapes, TM=ftm, BM=p2(ftm * g), PREC="tf32"), a.fwd_warps,
+        compile_report(mbo._fwd, types, dict(shapes, TM=ftm, BM=fbm, PREC="tf32"), a.fwd_warps,
                        a.fwd_stages),
-        compile_report(mbog._fwd_gluon, types, dict(shapes, TM=ftm, BM=p2(ftm * g)), p2(ftm * g) // 16, 1),
-        compile_report(mbo._bwd, types, dict(shapes, TM=btm, BM=p2(btm * g), BN=a.bwd_keys, PREC="tf32",
+        compile_report(mbog._fwd_gluon, types, dict(shapes, TM=ftm, BM=fbm), fbm // 16, 1),
+        compile_report(mbo._bwd, types, dict(shapes, TM=btm, BM=bbm, BN=a.bwd_keys, PREC="tf32",
                                              DQ_ATOMIC=False), a.bwd_warps, a.bwd_stages),
-        compile_report(mbog._bwd_gluon, types, dict(shapes, TM=btm, BM=p2(btm * g)), 8, 1),
+        compile_report(mbog._bwd_gluon, types, dict(shapes, TM=btm, BM=bbm), 8, 1),
         compile_report(mbo._merge, types, dict(shapes, R=a.row_tile, HAS_DENSE=False), 4, 3),
         compile_report(mbo._reduce_dq, types, dict(shapes, NH=128 // a.bwd_keys, R=a.row_tile), 4, 3),
     ]

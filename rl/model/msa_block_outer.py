@@ -236,12 +236,11 @@ if triton is not None:
         tl.store(dv_ptr + rows, av.to(dv_ptr.dtype.element_ty), mask=ok)
 
 
-def _p2(n: int) -> int:
-    return max(16, 1 << (n - 1).bit_length())
-
-
-def _tokens(rows: int, g: int) -> int:
-    return max(1, rows // g)
+def tile_shape(rows: int, g: int) -> tuple[int, int]:
+    """(TM, BM) of a kernel tile asked to hold `rows` rows: whole tokens of G query heads each, and the power of two
+    (>= 16) of rows the MMAs run on."""
+    tm = max(1, rows // g)
+    return tm, max(16, 1 << (tm * g - 1).bit_length())
 
 
 def _kernels(q, k, config) -> Config:
@@ -251,7 +250,7 @@ def _kernels(q, k, config) -> Config:
               and torch.cuda.get_device_capability(q.device)[0] == 9)
     g = q.shape[1] // k.shape[1]
     fits = {"fwd_kernel": (_fwd_gluon is not None and hopper and q.shape[2] == 128
-                           and _p2(_tokens(config.fwd_rows, g) * g) in (64, 128)),
+                           and tile_shape(config.fwd_rows, g)[1] in (64, 128)),
             "bwd_kernel": (_bwd_gluon is not None and hopper and config.bwd_keys == BLOCK and config.dq == "partial")}
     needs = {"fwd_kernel": "64- or 128-row tiles, head dim 128", "bwd_kernel": "bwd_keys=128, dq='partial'"}
     for name, ok in fits.items():
@@ -275,10 +274,9 @@ def _forward(q, k, v, dense_out, plan: Plan, scale: float, config: Config, o, ls
     opart = torch.empty(ne * g, dim, dtype=_part_dtype(q, config), device=q.device)
     lpart = torch.empty(ne * g, dtype=torch.float32, device=q.device)
     qk_scale = scale * math.log2(math.e)
-    tm = _tokens(config.fwd_rows, g)
+    tm, bm = tile_shape(config.fwd_rows, g)
     tables = (plan.entries, plan.order, plan.item_key, plan.item_lo, plan.item_hi, plan.kstart, t_count, plan.nkb,
               qk_scale)
-    bm = _p2(tm * g)
     if plan.n_max and config.fwd_kernel == "gluon":  # resolved by sparse_attention
         _fwd_gluon[(plan.n_max,)](q, k, v, opart, lpart, *tables, HQ=hq, HKV=hkv, G=g, TOPK=topk, TM=tm, BM=bm, D=dim,
                                   num_warps=bm // 16)
@@ -301,7 +299,7 @@ def _backward(q, k, v, o, lse, do, plan: Plan, scale: float, config: Config, dq,
     g = hq // hkv
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     ne, ni = t_count * hkv * topk, plan.n_max
-    tm, bn = _tokens(config.bwd_rows, g), config.bwd_keys
+    (tm, bm), bn = tile_shape(config.bwd_rows, g), config.bwd_keys
     nh = BLOCK // bn
     delta = torch.empty(t_count, hq, dtype=torch.float32, device=q.device)
     rows, r = t_count * hq, config.row_tile
@@ -316,11 +314,11 @@ def _backward(q, k, v, o, lse, do, plan: Plan, scale: float, config: Config, dq,
     if ni and config.bwd_kernel == "gluon":  # resolved by sparse_attention
         _bwd_gluon[(ni,)](q, k, v, do, lse, delta, dq_buf, dks, dvs, plan.entries, plan.order, plan.item_key,
                           plan.item_lo, plan.item_hi, plan.kstart, t_count, plan.nkb, qk_scale,
-                          HQ=hq, HKV=hkv, G=g, TOPK=topk, TM=tm, BM=_p2(tm * g), D=dim, num_warps=8)
+                          HQ=hq, HKV=hkv, G=g, TOPK=topk, TM=tm, BM=bm, D=dim, num_warps=8)
     elif ni:
         _bwd[(ni, nh)](q, k, v, do, lse, delta, dq_buf, dks, dvs, plan.entries, plan.order, plan.item_key,
                        plan.item_lo, plan.item_hi, plan.kstart, t_count, plan.nkb, ne, qk_scale,
-                       HQ=hq, HKV=hkv, G=g, TOPK=topk, TM=tm, BM=_p2(tm * g), BN=bn, D=dim, PREC=prec,
+                       HQ=hq, HKV=hkv, G=g, TOPK=topk, TM=tm, BM=bm, BN=bn, D=dim, PREC=prec,
                        DQ_ATOMIC=atomic, num_warps=config.bwd_warps,
                        num_stages=config.bwd_stages)
     if atomic:
