@@ -1,10 +1,13 @@
-"""Compile the Gluon NVFP4 expert GEMM (quant.kernels.nvfp4_moe_gluon; forward and input gradient) for Hopper without
-a GPU; print registers, spills, shared memory and whether ptxas serialized the wgmma pipeline, per config, as JSON.
+"""Compile the warp-specialized Gluon NVFP4 expert GEMM (quant.kernels.nvfp4_moe_gluon; forward and input gradient)
+for Hopper without a GPU; print registers, spills, shared memory and whether ptxas serialized the wgmma pipeline, per
+config, as JSON.
 
     PYTHONPATH=.venv/triton-interpret python scripts/expert_kernel_resources.py
 
 Same method as scripts/msa_kernel_resources.py (whose compile_report it uses), at M3's expert shapes: every int
-argument is a multiple of 16 there (N, K = 3072 or 6144; K/2, K/16; row strides), as a launch specializes them.
+argument is a multiple of 16 there (N, K = 3072 or 6144; K/8 words, K/16 scales; row strides), as a launch
+specializes them. "registers" is the launch's per-thread cap (maxnreg); the partitions share it out (setmaxnreg), and
+a spill in any of them shows as stack bytes.
 """
 
 import json
@@ -15,17 +18,27 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from msa_kernel_resources import compile_report  # noqa: E402
 
-CONFIGS = [dict(BM=bm, BO=128, BR=128, DGRAD=dgrad) for dgrad in (True, False) for bm in (128, 64)]
+# the configs scripts/bench_expert_gemm.py --variants times (and tests/quant/test_kernels_gpu.py checks)
+CONFIGS = [dict(BM=64), dict(BM=128), dict(BM=128, DW=8, DREGS=96), dict(BM=256)]
 
 
 def main():
+    from triton.experimental.gluon import language as gl
+
     from quant.kernels import nvfp4_moe_gluon as g
 
-    types = {"in_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "gs_ptr": "*fp32", "off_ptr": "*i64",
-             "out_ptr": "*bf16"}
-    ints = ("N", "K", "KB", "KS", "stride_in", "stride_out")
-    rows = [dict(compile_report(g._gemm_gluon, types, dict(cfg, E_P2=128), cfg["BM"] // 16, 1, divisible=ints),
-                 **cfg) for cfg in CONFIGS]
+    rows = []
+    for dgrad in (True, False):
+        for cfg in CONFIGS:
+            c = g.ws_config(cfg)
+            layout = gl.NVMMASharedLayout.get_default_for([c["BM"], c["BR"]], gl.bfloat16)
+            types = {"in_desc": f"tensordesc<bf16[{c['BM']}, {c['BR']}],{layout!r}>", "w_ptr": "*i32",
+                     "s_ptr": "*u8", "gs_ptr": "*fp32", "off_ptr": "*i64", "out_ptr": "*bf16"}
+            constexprs = dict(E_P2=128, BM=c["BM"], BO=c["BO"], BR=c["BR"], S=c["S"], DGRAD=dgrad, DW=c["DW"],
+                              DREGS=c["DREGS"])
+            report = compile_report(g._gemm_ws, types, constexprs, c["WARPS"], 1, maxnreg=g.ws_maxnreg(c),
+                                    divisible=("N", "K", "KW", "KS", "stride_out"))
+            rows.append(dict(report, **c, DGRAD=dgrad))
     print(json.dumps({"command": " ".join(["python"] + sys.argv), "arch": "sm_90", "kernels": rows}, indent=1))
 
 

@@ -26,9 +26,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 DIVISIBLE_INTS = ("T", "NKB", "NE")
 
 
-def compile_report(fn, types, constexprs, num_warps, num_stages, arch=90, divisible=DIVISIBLE_INTS):
+def compile_report(fn, types, constexprs, num_warps, num_stages, arch=90, divisible=DIVISIBLE_INTS, maxnreg=None):
     """Compile `fn` for sm_<arch> as a launch would (alignment hints: pointers and the int arguments named in
-    `divisible`); registers / stack / static shared from cuobjdump, dynamic shared from Triton."""
+    `divisible`; `maxnreg` as the launch passes it); registers / stack / static shared from cuobjdump, dynamic shared
+    from Triton."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -42,8 +43,8 @@ def compile_report(fn, types, constexprs, num_warps, num_stages, arch=90, divisi
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if n not in constexprs and (sig[n].startswith("*") or n in divisible)}
     src = ASTSource(fn, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps,
-                                                                               num_stages=num_stages))
+    options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}))
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
         f.flush()

@@ -43,8 +43,12 @@ import functools
 
 import torch
 
+from quant.kernels.e2m1_asm import E2M1_BF16X2_ASM
+
 __all__ = ["DECODERS", "DEFAULT_DECODER", "LARGE_M_CONFIG_BM256", "dgrad_config", "fwd_config", "launch_dgrad",
            "launch_fwd"]
+
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -57,49 +61,7 @@ def _kernels():
     import triton
     import triton.language as tl
 
-    # bf16 bit patterns of the 8 nibbles of a 32-bit word as bf16x2 pairs (n_k, n_{k+4}): code bits
-    # (s e1 e0 m) -> sign bit 15, e1 e0 m -> bits 8..6. That is a bf16 with exponent field e and
-    # mantissa m, i.e. e2m1 * 2^-126 (a subnormal when e = 0), so one exact bf16x2 fma by 2^126
-    # gives e2m1 and a second by the block scale gives e2m1 * s (exact: <= 6 significant bits).
-    asm_decode = tl.constexpr("""
-    {
-    .reg .b32 t0, t1, r0, r1, r2, r3, ss, bias, nz;
-    mov.b32 ss, {$9, $9};
-    mov.b32 bias, 0x7E807E80;
-    mov.b32 nz, 0x80008000;
-    shl.b32 t0, $8, 6;
-    and.b32 t0, t0, 0x01C001C0;
-    shl.b32 t1, $8, 12;
-    and.b32 t1, t1, 0x80008000;
-    or.b32 r0, t0, t1;
-    shl.b32 t0, $8, 2;
-    and.b32 t0, t0, 0x01C001C0;
-    shl.b32 t1, $8, 8;
-    and.b32 t1, t1, 0x80008000;
-    or.b32 r1, t0, t1;
-    shr.b32 t0, $8, 2;
-    and.b32 t0, t0, 0x01C001C0;
-    shl.b32 t1, $8, 4;
-    and.b32 t1, t1, 0x80008000;
-    or.b32 r2, t0, t1;
-    shr.b32 t0, $8, 6;
-    and.b32 t0, t0, 0x01C001C0;
-    and.b32 t1, $8, 0x80008000;
-    or.b32 r3, t0, t1;
-    fma.rn.bf16x2 r0, r0, bias, nz;
-    fma.rn.bf16x2 r1, r1, bias, nz;
-    fma.rn.bf16x2 r2, r2, bias, nz;
-    fma.rn.bf16x2 r3, r3, bias, nz;
-    fma.rn.bf16x2 r0, r0, ss, nz;
-    fma.rn.bf16x2 r1, r1, ss, nz;
-    fma.rn.bf16x2 r2, r2, ss, nz;
-    fma.rn.bf16x2 r3, r3, ss, nz;
-    mov.b32 {$0, $4}, r0;
-    mov.b32 {$1, $5}, r1;
-    mov.b32 {$2, $6}, r2;
-    mov.b32 {$3, $7}, r3;
-    }
-    """)
+    asm_decode = tl.constexpr(E2M1_BF16X2_ASM)
 
     @triton.jit
     def _decode_tl(p, s, R: tl.constexpr, BK: tl.constexpr):

@@ -1,36 +1,42 @@
-"""The NVFP4 grouped expert GEMM (``nvfp4_moe_gemm``'s forward and input gradient) written in Gluon for Hopper (sm_90).
+"""The NVFP4 grouped expert GEMM (``nvfp4_moe_gemm``'s forward and input gradient) written in Gluon for Hopper (sm_90),
+warp-specialized: the weight decode runs in its own warps, beside the MMAs instead of between them.
 
 One kernel, two directions: out tile [BM rows, BO] = in[BM, R] @ B[R, BO], R reduced in steps of BR, with the decoded
 weight tile as the MMA's B operand in shared memory: B = W_e for the input gradient (in = dy, R = N), W_e^T for the
-forward (in = x, R = K). Why Gluon: in the Triton input-gradient kernel (SWAP=False, the default from ~96 rows per
-expert) the decoded tile is written to shared memory every step and Triton 3.6 then waits on each MMA right after
-issuing it, so the weight decode never overlaps the tensor cores (issue 19: 0.79x bf16 at 4K tokens). Here the decoded
-tile is double-buffered: step i's MMA runs while step i+1's weights are decoded and stored; the input rows arrive by
-cp.async two steps ahead (three buffers) and the packed weights one step ahead in registers.
+forward (in = x, R = K). Three partitions share a ring of S stages through mbarriers:
+- load (1 warp): the input rows of each step by TMA (rows past the expert's end are loaded and computed, not stored);
+- decode (DW warps): the packed codes and E4M3 scales of each step from global memory, decoded in registers (the
+  Triton kernels' exact bf16x2 bit trick, ``E2M1_BF16X2_ASM``) and stored to the stage's weight tile;
+- MMA (the default partition, num_warps): asynchronous wgmma on each stage once both halves are ready; a stage is
+  released when the MMA after it has been issued and the one on it has retired.
+Why: the non-specialized Gluon kernel (run37: 0.72-0.78x bf16 at 4K tokens) and the Triton kernels decode in the same
+warps that issue the MMAs, so with one program per SM the decode's integer work and the MMAs take turns.
 
-Decode: ``gl.fp4_to_fp`` (e2m1 -> bf16, exact) times the E4M3 block scale in bf16 (exact: <= 6 significant bits), the
-same operands as the Triton kernels and the reference; the global scale multiplies the fp32 accumulator once, then one
-bf16 round. Rows never straddle experts (tiles from the offsets, as ``_tile`` of the Triton kernels).
+Exactness: the decoded weights are e2m1 * s in bf16 exactly, the same operands as the Triton kernels and the
+reference; the global scale multiplies the fp32 accumulator once, then one bf16 round. Rows never straddle experts.
 
-Status: compiled for sm_90 on the CPU machine (scripts/expert_kernel_resources.py: no spills, MMAs asynchronous); not
-yet run on a GPU. It is opt-in (``launch_fwd`` / ``launch_dgrad`` with ``config={"GLUON": True, ...}``): the GPU tests
-(tests/quant/test_kernels_gpu.py: CONFIG_VARIANTS ``*_gluon_*``, test_nvfp4_moe_gluon_edges) and
-``bench_expert_gemm.py --variants`` run it.
+Opt-in (``launch_fwd`` / ``launch_dgrad`` with ``config={"GLUON": True, ...}``); measured by the GPU tests
+(tests/quant/test_kernels_gpu.py) and ``bench_expert_gemm.py --variants``.
 """
 
 import torch
 
+from quant.kernels.e2m1_asm import E2M1_BF16X2_ASM
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # CPU installs without Triton, or a Triton without Gluon
     gluon = None
-    _gemm_gluon = None
+    _gemm_ws = None
 
 
 if gluon is not None:
+    _ASM = gl.constexpr(E2M1_BF16X2_ASM)
+
     @gluon.jit
     def _add(a, b):
         return a + b
@@ -52,58 +58,101 @@ if gluon is not None:
         return e, row0, row_end, pid_m < gl.sum(nt, 0)
 
     @gluon.jit
-    def _load_w(w_ptr, s_ptr, e64, n0, k0, N, K, KB, KS, BN: gl.constexpr, BK: gl.constexpr, l3: gl.constexpr):
-        # Packed bytes [BN, BK/16, 8] (one 16-code group per (row, group)) and scale bytes [BN, BK/16] of W_e's rows
-        # n0.. and columns k0..; zeros outside N x K.
-        r = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, l3)))
-        g = k0 // 16 + gl.arange(0, BK // 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, l3)))
-        b = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, l3)))
-        ok = (r < N)[:, None] & (g < K // 16)[None, :]
-        rows = e64 * N + r
-        p = gl.load(w_ptr + (rows * KB)[:, None, None] + (g * 8)[None, :, None] + b[None, None, :],
-                    mask=ok[:, :, None], other=0)
-        s = gl.load(s_ptr + (rows * KS)[:, None] + g[None, :], mask=ok, other=0)
+    def _load_words(w_ptr, s_ptr, e64, r0, c0, N, K, KW, KS, WR: gl.constexpr, WC: gl.constexpr, lw: gl.constexpr):
+        # W_e[r0 : r0+WR, c0 : c0+WC] as int32 words [WR, WC/8] (8 codes each), and each word's E4M3 scale byte;
+        # zeros outside N x K.
+        r = r0 + gl.arange(0, WR, layout=gl.SliceLayout(1, lw))
+        j = c0 // 8 + gl.arange(0, WC // 8, layout=gl.SliceLayout(0, lw))
+        ok = (r < N)[:, None] & (j < K // 8)[None, :]
+        rows = e64 * N + r.to(gl.int64)
+        p = gl.load(w_ptr + (rows * KW)[:, None] + j[None, :], mask=ok, other=0)
+        s = gl.load(s_ptr + (rows * KS)[:, None] + (j // 2)[None, :], mask=ok, other=0)
         return p, s
 
     @gluon.jit
-    def _decode(p, s, BN: gl.constexpr, BK: gl.constexpr):
-        w = gl.fp4_to_fp(p, gl.bfloat16, 2)  # [BN, BK/16, 16]: code 2j in the low nibble of byte j
+    def _decode(p, s, WR: gl.constexpr, WC: gl.constexpr):
+        # int32 words [WR, WC/8] and their scale bytes -> bf16 [WR, WC], code j of a word at column 8 * word + j.
         sb = s.to(gl.float8e4nv, bitcast=True).to(gl.bfloat16)
-        w = w * gl.expand_dims(gl.convert_layout(sb, gl.SliceLayout(2, w.type.layout)), 2)
-        return gl.reshape(w, [BN, BK])
+        n0, n1, n2, n3, n4, n5, n6, n7 = gl.inline_asm_elementwise(
+            _ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [p, sb],
+            dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16,
+                   gl.bfloat16), is_pure=True, pack=1)
+        t = gl.join(gl.join(gl.join(n0, n4), gl.join(n2, n6)), gl.join(gl.join(n1, n5), gl.join(n3, n7)))
+        return gl.reshape(t, [WR, WC])
 
     @gluon.jit
-    def _copy_rows(buf, ptr, rows, r_ok, c, ncols, stride):
-        # One commit group: ptr[rows, c] (ncols and the row stride are multiples of 8: 16-byte copies).
-        async_copy.async_copy_global_to_shared(buf, ptr + (rows * (stride // 8) * 8)[:, None] + c[None, :],
-                                               mask=r_ok[:, None] & (c // 8 < ncols // 8)[None, :])
-        async_copy.commit_group()
-
-    @gluon.jit
-    def _w_step(w_ptr, s_ptr, e64, o0, i, N, K, KB, KS, BO: gl.constexpr, BR: gl.constexpr, DGRAD: gl.constexpr,
-                l3: gl.constexpr):
-        # Packed weights of reduction step i: W_e[i*BR.., o0..] (input gradient) or W_e[o0.., i*BR..] (forward).
+    def _step_words(w_ptr, s_ptr, e64, o0, i, N, K, KW, KS, WR: gl.constexpr, WC: gl.constexpr, DGRAD: gl.constexpr,
+                    lw: gl.constexpr):
+        # Packed weights of reduction step i: W_e[i*WR.., o0..] (input gradient) or W_e[o0.., i*WC..] (forward).
         if DGRAD:
-            p, s = _load_w(w_ptr, s_ptr, e64, i * BR, o0, N, K, KB, KS, BR, BO, l3)
+            p, s = _load_words(w_ptr, s_ptr, e64, i * WR, o0, N, K, KW, KS, WR, WC, lw)
         else:
-            p, s = _load_w(w_ptr, s_ptr, e64, o0, i * BR, N, K, KB, KS, BO, BR, l3)
+            p, s = _load_words(w_ptr, s_ptr, e64, o0, i * WC, N, K, KW, KS, WR, WC, lw)
         return p, s
 
     @gluon.jit
-    def _gemm_gluon(in_ptr, w_ptr, s_ptr, gs_ptr, off_ptr, out_ptr, N, K, E, KB, KS, stride_in, stride_out,
-                    E_P2: gl.constexpr, BM: gl.constexpr, BO: gl.constexpr, BR: gl.constexpr,
-                    DGRAD: gl.constexpr, num_warps: gl.constexpr):
-        # out tile [BM, BO] = in[BM, R] @ B[R, BO], R reduced in steps of BR, with B = W_e (input gradient: in = dy,
-        # R = N, out = dx) or W_e^T (forward: in = x, R = K, out = y). The decoded weight tile is [W rows, W cols].
-        WR: gl.constexpr = BR if DGRAD else BO
-        WC: gl.constexpr = BO if DGRAD else BR
-        ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])  # 16-byte rows of bf16
-        l3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [4, 8, 1], [num_warps, 1, 1], [2, 1, 0])  # packed weights
-        v1: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    def _ws_load(in_desc, in_s, ready, empty, row0, n_steps):
+        # TMA of each step's input rows [BM, BR] into the ring, once the MMA has released the stage.
+        S: gl.constexpr = in_s.type.shape[0]
+        BR: gl.constexpr = in_s.type.shape[2]
+        for i in range(n_steps):
+            b = i % S
+            mbarrier.wait(empty.index(b), ((i // S) & 1) ^ 1)
+            mbarrier.expect(ready.index(b), in_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(in_desc, [row0, i * BR], ready.index(b), in_s.index(b))
+
+    @gluon.jit
+    def _ws_decode(w_ptr, s_ptr, w_s, ready, empty, e, o0, n_steps, N, K, KW, KS, DGRAD: gl.constexpr,
+                   DW: gl.constexpr):
+        # Each step's weight tile decoded into the ring; the next step's packed words load while this one decodes.
+        S: gl.constexpr = w_s.type.shape[0]
+        WR: gl.constexpr = w_s.type.shape[1]
+        WC: gl.constexpr = w_s.type.shape[2]
+        lw: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (WC // 32), WC // 32], [DW, 1], [1, 0])  # 16-byte loads
+        e64 = e.to(gl.int64)
+        p, s = _step_words(w_ptr, s_ptr, e64, o0, 0, N, K, KW, KS, WR, WC, DGRAD, lw)
+        for i in range(n_steps):
+            b = i % S
+            w = _decode(p, s, WR, WC)
+            p, s = _step_words(w_ptr, s_ptr, e64, o0, i + 1, N, K, KW, KS, WR, WC, DGRAD, lw)
+            mbarrier.wait(empty.index(b), ((i // S) & 1) ^ 1)
+            w_s.index(b).store(w)
+            fence_async_shared()  # the generic-proxy stores before the MMA's async-proxy reads
+            mbarrier.arrive(ready.index(b), count=1)
+
+    @gluon.jit
+    def _ws_mma(in_s, w_s, in_ready, in_empty, w_ready, w_empty, n_steps, DGRAD: gl.constexpr,
+                num_warps: gl.constexpr):
+        S: gl.constexpr = in_s.type.shape[0]
+        BM: gl.constexpr = in_s.type.shape[1]
+        BO: gl.constexpr = w_s.type.shape[2] if DGRAD else w_s.type.shape[1]
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                         instr_shape=[16, BO, 16])
-        in_sh: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BR], gl.bfloat16)
-        w_sh: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WR, WC], gl.bfloat16)
+        acc = gl.zeros([BM, BO], gl.float32, acc_l)
+        for i in range(n_steps):
+            b = i % S
+            ph = (i // S) & 1
+            mbarrier.wait(in_ready.index(b), ph)
+            mbarrier.wait(w_ready.index(b), ph)
+            if DGRAD:
+                acc = warpgroup_mma(in_s.index(b), w_s.index(b), acc, is_async=True)
+            else:
+                acc = warpgroup_mma(in_s.index(b), w_s.index(b).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc, ))  # step i-1's MMA has retired: release its stage
+            prev = (i + S - 1) % S
+            mbarrier.arrive(in_empty.index(prev), count=1, pred=i > 0)
+            mbarrier.arrive(w_empty.index(prev), count=1, pred=i > 0)
+        return (warpgroup_mma_wait(0, deps=(acc, )), )  # the default partition's results are a tuple
+
+    @gluon.jit
+    def _gemm_ws(in_desc, w_ptr, s_ptr, gs_ptr, off_ptr, out_ptr, N, K, E, KW, KS, stride_out,
+                 E_P2: gl.constexpr, BM: gl.constexpr, BO: gl.constexpr, BR: gl.constexpr, S: gl.constexpr,
+                 DGRAD: gl.constexpr, DW: gl.constexpr, DREGS: gl.constexpr, num_warps: gl.constexpr):
+        # out tile [BM, BO] = in[BM, R] @ B[R, BO]; the weight tile in shared memory is [W rows, W cols].
+        WR: gl.constexpr = BR if DGRAD else BO
+        WC: gl.constexpr = BO if DGRAD else BR
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+        v1: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
         r_cols = N if DGRAD else K
         o_cols = K if DGRAD else N
 
@@ -113,59 +162,69 @@ if gluon is not None:
         o0 = (pid % num_o) * BO
         e, row0, row_end, valid = _tile(off_ptr, E, pid_m, E_P2, BM, v1)
         if valid:
-            in_s = gl.allocate_shared_memory(gl.bfloat16, [3, BM, BR], in_sh)
-            w_s = gl.allocate_shared_memory(gl.bfloat16, [2, WR, WC], w_sh)
-            e64 = e.to(gl.int64)
-            rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, ld))
-            r_ok = rows < row_end
-            rows = rows.to(gl.int64)
-            c = gl.arange(0, BR, layout=gl.SliceLayout(0, ld))
-            # Prologue: the input rows of steps 0 and 1 in flight, step 0's weights decoded, step 1's packed ones in
-            # registers.
-            _copy_rows(in_s.index(0), in_ptr, rows, r_ok, c, r_cols, stride_in)
-            _copy_rows(in_s.index(1), in_ptr, rows, r_ok, BR + c, r_cols, stride_in)
-            p, s = _w_step(w_ptr, s_ptr, e64, o0, 0, N, K, KB, KS, BO, BR, DGRAD, l3)
-            w_s.index(0).store(_decode(p, s, WR, WC))
-            p, s = _w_step(w_ptr, s_ptr, e64, o0, 1, N, K, KB, KS, BO, BR, DGRAD, l3)
-            acc = gl.zeros([BM, BO], gl.float32, acc_l)
-            for i in range(gl.cdiv(r_cols, BR)):
-                async_copy.wait_group(1)  # step i's input rows (step i+1's may still be in flight)
-                fence_async_shared()  # and step i's decoded weights, stored by every thread
-                if DGRAD:
-                    acc = warpgroup_mma(in_s.index(i % 3), w_s.index(i % 2), acc, is_async=True)
-                else:
-                    acc = warpgroup_mma(in_s.index(i % 3), w_s.index(i % 2).permute((1, 0)), acc, is_async=True)
-                # Under step i's MMA: decode step i+1's weights, fetch step i+2's.
-                w = _decode(p, s, WR, WC)
-                p, s = _w_step(w_ptr, s_ptr, e64, o0, i + 2, N, K, KB, KS, BO, BR, DGRAD, l3)
-                acc = warpgroup_mma_wait(1, deps=(acc, ))  # step i-1's MMA is done: its buffers are free
-                w_s.index((i + 1) % 2).store(w)
-                _copy_rows(in_s.index((i + 2) % 3), in_ptr, rows, r_ok, (i + 2) * BR + c, r_cols, stride_in)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
-            async_copy.wait_group(0)
+            in_s = gl.allocate_shared_memory(gl.bfloat16, [S, BM, BR], in_desc.layout)
+            w_s = gl.allocate_shared_memory(gl.bfloat16, [S, WR, WC],
+                                            gl.NVMMASharedLayout.get_default_for([WR, WC], gl.bfloat16))
+            in_ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+            in_empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+            w_ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+            w_empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+            for b in gl.static_range(S):
+                mbarrier.init(in_ready.index(b), count=1)
+                mbarrier.init(in_empty.index(b), count=1)
+                mbarrier.init(w_ready.index(b), count=1)
+                mbarrier.init(w_empty.index(b), count=1)
+            n_steps = gl.cdiv(r_cols, BR)
+            acc, = gl.warp_specialize([
+                (_ws_mma, (in_s, w_s, in_ready, in_empty, w_ready, w_empty, n_steps, DGRAD, num_warps)),
+                (_ws_load, (in_desc, in_s, in_ready, in_empty, row0.to(gl.int32), n_steps)),
+                (_ws_decode, (w_ptr, s_ptr, w_s, w_ready, w_empty, e, o0, n_steps, N, K, KW, KS, DGRAD, DW)),
+            ], [1, DW], [24, DREGS])
             out = gl.convert_layout((acc * gl.load(gs_ptr + e)).to(gl.bfloat16), ld)
+            rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, ld))
             cols = o0 + gl.arange(0, BO, layout=gl.SliceLayout(0, ld))
-            gl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], out,
-                     mask=r_ok[:, None] & (cols < o_cols)[None, :])
+            gl.store(out_ptr + rows.to(gl.int64)[:, None] * stride_out + cols[None, :], out,
+                     mask=(rows < row_end)[:, None] & (cols < o_cols)[None, :])
+
+
+def ws_config(cfg: dict) -> dict:
+    """The warp-specialized kernel's tiles from a launch config: BM rows (64 / 128 / 256), BO output columns per
+    program, BR reduction columns per step (64: one 128-byte TMA box of bf16), S stages, WARPS for the MMA partition
+    (4 or 8; 8 at BM=256), DW decode warps (4 or 8) with DREGS registers each."""
+    bm = cfg.get("BM", 128)
+    out = dict(BM=bm, BO=cfg.get("BO", 128), BR=cfg.get("BR", 64), S=cfg.get("S", 4),
+               WARPS=cfg.get("WARPS", 8 if bm == 256 else 4), DW=cfg.get("DW", 4), DREGS=cfg.get("DREGS", 128))
+    if bm not in (64, 128, 256) or out["BR"] != 64 or out["WARPS"] not in (4, 8) or out["DW"] not in (4, 8):
+        raise ValueError(f"nvfp4 expert GEMM GLUON config {out}: BM 64/128/256, BR 64, WARPS 4/8, DW 4/8")
+    return out
+
+
+def ws_maxnreg(c: dict) -> int:
+    """Registers per thread for the launch (a multiple of 8): one program per SM's 64K registers over all warps; the
+    load partition's one warp holds a warpgroup's registers, and the MMA partition gets what the workers leave."""
+    return min(256, 65536 // (32 * (c["WARPS"] + c["DW"] + 4))) // 8 * 8
 
 
 def launch_gluon(inp, packed, scale, gs, offsets, out, cfg, dgrad: bool):
-    """The Gluon kernel for ``nvfp4_moe_gemm.launch_fwd`` / ``launch_dgrad`` with config GLUON=True, into ``out``:
-    BM 64 or 128 rows (4 or 8 warps); output columns per program BN (forward) or BK (input gradient), reduction step
-    BK (forward) or BN (input gradient), 128 unless ``cfg`` says otherwise."""
+    """The warp-specialized kernel for ``nvfp4_moe_gemm.launch_fwd`` / ``launch_dgrad`` with config GLUON=True,
+    into ``out``; tiles from ``ws_config(cfg)``."""
     import triton
 
-    if _gemm_gluon is None or not inp.is_cuda or torch.cuda.get_device_capability(inp.device)[0] != 9:
+    if _gemm_ws is None or not inp.is_cuda or torch.cuda.get_device_capability(inp.device)[0] != 9:
         raise RuntimeError("nvfp4 expert GEMM config GLUON=True needs Gluon and an sm_90 device")
+    c = ws_config(cfg)
     e, n, kh = packed.shape
     k, m = kh * 2, inp.shape[0]
-    bm, bk, bn = cfg.get("BM", 128), cfg.get("BK", 128), cfg.get("BN", 128)
-    bo, br, o_cols = (bk, bn, k) if dgrad else (bn, bk, n)
-    if bm not in (64, 128) or n % 8 or inp.stride(0) % 8:
-        raise ValueError(f"nvfp4 expert GEMM GLUON: BM={bm} (expected 64 or 128), N={n} and the input's row stride "
-                         f"{inp.stride(0)} (expected multiples of 8)")
-    grid = ((triton.cdiv(m, bm) + e) * triton.cdiv(o_cols, bo),)
-    _gemm_gluon[grid](inp, packed.contiguous(), scale.contiguous().view(torch.uint8), gs, offsets, out,
-                      n, k, e, kh, k // 16, inp.stride(0), out.stride(0),
-                      E_P2=triton.next_power_of_2(e), BM=bm, BO=bo, BR=br, DGRAD=dgrad, num_warps=bm // 16)
+    if k % 16 or inp.stride(1) != 1 or inp.stride(0) % 8 or inp.data_ptr() % 16:  # TMA: 16-byte aligned rows
+        raise ValueError(f"nvfp4 expert GEMM GLUON: K={k} must be a multiple of 16 and the input rows contiguous "
+                         f"with a 16-byte aligned start and stride (stride {inp.stride()})")
+    o_cols = k if dgrad else n
+    layout = gl.NVMMASharedLayout.get_default_for([c["BM"], c["BR"]], gl.bfloat16)
+    desc = TensorDescriptor.from_tensor(inp, [c["BM"], c["BR"]], layout)
+    words = packed.contiguous().view(torch.int32)
+    grid = ((triton.cdiv(m, c["BM"]) + e) * triton.cdiv(o_cols, c["BO"]),)
+    _gemm_ws[grid](desc, words, scale.contiguous().view(torch.uint8), gs, offsets, out, n, k, e, words.shape[-1],
+                   k // 16, out.stride(0), E_P2=triton.next_power_of_2(e), BM=c["BM"], BO=c["BO"], BR=c["BR"],
+                   S=c["S"], DGRAD=dgrad, DW=c["DW"], DREGS=c["DREGS"], num_warps=c["WARPS"],
+                   maxnreg=ws_maxnreg(c))
     return out

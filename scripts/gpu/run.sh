@@ -4,6 +4,7 @@
 # STEPs, each logged to $OUT/<name>.log with its exit code and seconds in $OUT/summary.log:
 #   tests                 pytest -m gpu: the quant kernels, CUDA == CPU quant forms (tests/quant/test_kernels_gpu.py,
 #                         test_cuda_matches_cpu.py) and the trainer fast-paths test (tests/rl/model/test_trainer_gpu.py)
+#   kernel_tests          pytest -m gpu tests/quant/test_kernels_gpu.py alone (the quant kernels, Triton and Gluon)
 #   bench_expert[:ARGS]   scripts/bench_expert_gemm.py: NVFP4 kernel vs decode+cuBLAS vs bf16 _grouped_mm at
 #                         64..32768 tokens, grouped expert LoRA vs the per-expert loop at 65,536 tokens; ARGS ('+' for
 #                         spaces) replace --lora-loop (e.g. bench_expert:--variants+--tokens+4096,32768)
@@ -30,6 +31,8 @@ for step in "$@"; do
     tests)
       M3RL_GPU_REPORT="$OUT/trainer_gpu.json" run tests "$(lim 300)" $P tests/quant/test_kernels_gpu.py \
           tests/quant/test_cuda_matches_cpu.py $TRAINER_GPU_TESTS ;;
+    kernel_tests)
+      run kernel_tests "$(lim 200)" $P tests/quant/test_kernels_gpu.py ;;
     bench_expert|bench_expert:*)
       extra=${step#bench_expert}; extra=${extra#:}; extra=${extra:---lora-loop}
       run bench_expert "$(lim 220)" python3 scripts/bench_expert_gemm.py ${extra//+/ } --out "$OUT/bench_expert.json" ;;

@@ -171,11 +171,15 @@ CONFIG_VARIANTS = {  # tile configs beside the defaults (scripts/bench_expert_ge
     "dgrad_BM128_BN128_swap": ("dgrad", dict(BM=128, BK=128, BN=128, num_warps=8, num_stages=3, SWAP=True)),
     "dgrad_BM64_BN64_swap": ("dgrad", dict(BM=64, BK=128, BN=64, num_warps=4, num_stages=4, SWAP=True)),
     "dgrad_BM256_BN64_swap": ("dgrad", dict(BM=256, BK=128, BN=64, num_warps=8, num_stages=3, SWAP=True)),
-    # the Gluon kernel (quant/kernels/nvfp4_moe_gluon.py): decoded weights double-buffered, MMAs asynchronous
-    "dgrad_gluon_BM128": ("dgrad", dict(GLUON=True, BM=128, BK=128, BN=128)),
-    "dgrad_gluon_BM64": ("dgrad", dict(GLUON=True, BM=64, BK=128, BN=128)),
-    "fwd_gluon_BM128": ("fwd", dict(GLUON=True, BM=128, BK=128, BN=128)),
-    "fwd_gluon_BM64": ("fwd", dict(GLUON=True, BM=64, BK=128, BN=128)),
+    # the warp-specialized Gluon kernel (quant/kernels/nvfp4_moe_gluon.py): decode warps beside the MMA warps
+    "dgrad_gluon_BM64": ("dgrad", dict(GLUON=True, BM=64)),
+    "dgrad_gluon_BM128": ("dgrad", dict(GLUON=True, BM=128)),
+    "dgrad_gluon_BM128_DW8": ("dgrad", dict(GLUON=True, BM=128, DW=8, DREGS=96)),
+    "dgrad_gluon_BM256": ("dgrad", dict(GLUON=True, BM=256)),
+    "fwd_gluon_BM64": ("fwd", dict(GLUON=True, BM=64)),
+    "fwd_gluon_BM128": ("fwd", dict(GLUON=True, BM=128)),
+    "fwd_gluon_BM128_DW8": ("fwd", dict(GLUON=True, BM=128, DW=8, DREGS=96)),
+    "fwd_gluon_BM256": ("fwd", dict(GLUON=True, BM=256)),
 }
 
 
@@ -197,7 +201,8 @@ def test_nvfp4_moe_config_variants(name):
 
 
 @pytest.mark.parametrize("e,n,k,counts", [(8, 384, 384, [75, 64, 90, 0, 128, 33, 65, 145]),
-                                           (6, 200, 272, [5, 0, 0, 19, 1, 40])])  # N, K not multiples of the tile
+                                           (6, 200, 272, [5, 0, 0, 19, 1, 40]),  # N, K not multiples of the tile
+                                           (3, 256, 512, [0, 700, 1])])  # several tiles of one expert, first empty
 def test_nvfp4_moe_gluon_edges(e, n, k, counts):
     """The Gluon kernels both ways, with tiles cut by N, K and the experts' row counts."""
     gen = torch.Generator(device=DEV).manual_seed(99 + n + k)
@@ -208,7 +213,7 @@ def test_nvfp4_moe_gluon_edges(e, n, k, counts):
     for inp, reference, launch, red in ((x, _ref_fwd, gemm.launch_fwd, k), (dy, _ref_dgrad, gemm.launch_dgrad, n)):
         ref = reference(inp, packed, scale, gs, offsets)
         absref = reference(inp.abs(), *_abs_stack(packed, scale), gs, offsets)
-        for bm in (64, 128):
+        for bm in (64, 128, 256):
             out = torch.full(ref.shape, float("nan"), dtype=BF16, device=DEV)
             got = launch(inp, packed, scale, gs, offsets, out=out, config=dict(GLUON=True, BM=bm))
             _assert_bound(got, ref, absref, red, f"gluon {launch.__name__} BM={bm} E{e} N{n} K{k}")
