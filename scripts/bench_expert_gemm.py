@@ -181,9 +181,11 @@ def main():
                               dict(BM=256, BK=128, BN=64, num_warps=8, num_stages=3, SWAP=False), None))
                 cases.append(("dgrad", "nvfp4[BM=256,st2]",
                               dict(BM=256, BK=128, BN=128, num_warps=8, num_stages=2, SWAP=False), None))
-                for label, cfg in (("BM=64", dict(BM=64)), ("BM=128", dict(BM=128)),  # the warp-specialized
-                                   ("BM=128,DW=8", dict(BM=128, DW=8, DREGS=96)),  # Gluon kernel
-                                   ("BM=256", dict(BM=256))):  # (quant/kernels/nvfp4_moe_gluon.py)
+                # the warp-specialized Gluon kernel (quant/kernels/nvfp4_moe_gluon.py)
+                for label, cfg in (("BM=256", dict(BM=256)), ("BM=256,fold", dict(BM=256, FOLD=True)),
+                                   ("BM=256,DW=8", dict(BM=256, DW=8, DREGS=64)),
+                                   ("BM=256,DW=8,fold", dict(BM=256, DW=8, DREGS=64, FOLD=True)),
+                                   ("BM=128,DW=8,fold", dict(BM=128, DW=8, DREGS=96, FOLD=True))):
                     for direction in ("fwd", "dgrad"):
                         cases.append((direction, f"nvfp4[gluon {label}]", dict(GLUON=True, **cfg), None))
                 for bm, bn, nw, ns in ((64, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3), (256, 64, 8, 3)):
