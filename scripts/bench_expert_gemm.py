@@ -159,6 +159,8 @@ def main():
             gsh = gs.tolist()
             cases = [("fwd", "nvfp4", None, None)]
             cases.append(("dgrad", "nvfp4", None, None))
+            if gemm.gluon_dgrad_default(dy, m, E):  # the Triton kernel the Gluon default replaced, beside it
+                cases.append(("dgrad", "nvfp4[triton]", gemm.dgrad_config(m, E), None))
             if t >= 2048:  # decode once to bf16 + cuBLAS per expert (gs as alpha), with and without overlap
                 for direction in ("fwd", "dgrad"):
                     cases.append((direction, "dequant", None, "dequant"))
@@ -182,10 +184,8 @@ def main():
                 cases.append(("dgrad", "nvfp4[BM=256,st2]",
                               dict(BM=256, BK=128, BN=128, num_warps=8, num_stages=2, SWAP=False), None))
                 # the warp-specialized Gluon kernel (quant/kernels/nvfp4_moe_gluon.py)
-                for label, cfg in (("BM=256", dict(BM=256)), ("BM=256,fold", dict(BM=256, FOLD=True)),
-                                   ("BM=256,DW=8", dict(BM=256, DW=8, DREGS=64)),
-                                   ("BM=256,DW=8,fold", dict(BM=256, DW=8, DREGS=64, FOLD=True)),
-                                   ("BM=128,DW=8,fold", dict(BM=128, DW=8, DREGS=96, FOLD=True))):
+                for label, cfg in (("BM=128", dict(BM=128)), ("BM=256", dict(BM=256)),
+                                   ("BM=256,DW=8", dict(BM=256, DW=8, DREGS=64))):
                     for direction in ("fwd", "dgrad"):
                         cases.append((direction, f"nvfp4[gluon {label}]", dict(GLUON=True, **cfg), None))
                 for bm, bn, nw, ns in ((64, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3), (256, 64, 8, 3)):
@@ -249,7 +249,8 @@ def main():
                       f"bf16 {base[direction]:8.3f} ms  x{base[direction] / ms:5.2f}  floor x{ms / floor_ms:5.2f}",
                       flush=True)
             del x, dy
-        auto = {d: total[f"{d}_dequant"] if t >= 2048 and moe._pick(None, m, E, d) == "dequant" else total[d]
+        gluon = gemm.gluon_available(packed)
+        auto = {d: total[f"{d}_dequant"] if t >= 2048 and moe._pick(None, m, E, d, gluon) == "dequant" else total[d]
                 for d in ("fwd", "dgrad")}
         res.setdefault("totals", []).append(dict(
             tokens=t, auto_fwd_ms=round(auto["fwd"], 4), auto_dgrad_ms=round(auto["dgrad"], 4),

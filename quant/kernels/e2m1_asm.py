@@ -46,8 +46,3 @@ E2M1_BF16X2_ASM = """
     }
     """
 
-# The same with the 2^126 folded into the scale operand: $9 = s * 2^119 (exact in bf16: s <= 448 < 2^9), so one fma
-# per pair gives e2m1 * s * 2^-7 (exact: its magnitude is 0 or in [2^-17, 21]); the kernel multiplies the fp32
-# accumulator by 2^7 along with the global scale (exact: the sums are scaled by a power of two).
-E2M1_BF16X2_ASM_PRESCALED = "\n".join(line for line in E2M1_BF16X2_ASM.splitlines()
-                                      if not (line.strip().startswith("fma") and ", bias, nz;" in line))

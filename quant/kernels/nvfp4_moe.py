@@ -14,7 +14,8 @@ empty experts included), ``packed`` [E, N, K/2] uint8 (low nibble = even element
 top-k routing ids.
 
 Paths, picked per call and direction: the fused Triton grouped GEMM of ``nvfp4_moe_gemm`` (weights decoded in
-registers, fastest at few rows per expert); from ``DEQUANT_MIN_ROWS`` rows per expert on, the bf16 decode + cuBLAS
+registers, fastest at few rows per expert; on sm_90 the input gradient's larger calls run the warp-specialized Gluon
+kernel of ``nvfp4_moe_gluon``); from ``DEQUANT_MIN_ROWS`` rows per expert on, the bf16 decode + cuBLAS
 of ``nvfp4_dequant``; on CPU, or without Triton, ``nvfp4_moe_linear_reference`` (a loop over experts through
 ``quant.forms``). Their measurements are in those modules.
 """
@@ -25,7 +26,7 @@ from quant import forms
 from quant._common import check_dtype
 from quant.kernels._triton import triton_available
 from quant.kernels.nvfp4_dequant import dequant_dgrad, dequant_fwd
-from quant.kernels.nvfp4_moe_gemm import DECODERS, launch_dgrad, launch_fwd
+from quant.kernels.nvfp4_moe_gemm import DECODERS, gluon_available, launch_dgrad, launch_fwd
 
 __all__ = [
     "expert_offsets",
@@ -117,13 +118,15 @@ def nvfp4_moe_linear_reference(
 # (quant.kernels.nvfp4_dequant) instead of the fused kernels. Measured on the H200, all 128 M3 experts, gate_up +
 # down (results/gpu/run11/bench_expert.json): forward kernel 16.5 ms vs decode 17.9 at 512 rows (16K tokens), 29.4
 # vs 28.6 at 1024; input gradient kernel 13.2 vs decode 13.5 at 256 rows, 23.7 vs 17.9 at 512, 45.1 vs 28.4 at 1024.
-DEQUANT_MIN_ROWS = {"fwd": 768, "dgrad": 384}
+# "dgrad_gluon": the input gradient where the Gluon kernel is the kernel (sm_90, nvfp4_moe_gemm.GLUON_DGRAD_MIN_ROWS).
+DEQUANT_MIN_ROWS = {"fwd": 768, "dgrad": 384, "dgrad_gluon": 768}
 
 
-def _pick(impl, m, num_experts, direction):
+def _pick(impl, m, num_experts, direction, gluon=False):
     if impl in ("kernel", "dequant"):
         return impl
-    return "dequant" if m >= DEQUANT_MIN_ROWS[direction] * num_experts else "kernel"
+    key = "dgrad_gluon" if gluon and direction == "dgrad" else direction
+    return "dequant" if m >= DEQUANT_MIN_ROWS[key] * num_experts else "kernel"
 
 
 def _host(gs, offsets):
@@ -140,7 +143,7 @@ class _NVFP4MoELinear(torch.autograd.Function):
         decoded = None
         if _pick(impl, x.shape[0], packed.shape[0], "fwd") == "dequant":
             ctx.host = ctx.host or _host(gs, offsets)
-            if keep_decoded and _pick(impl, x.shape[0], packed.shape[0], "dgrad") == "dequant":
+            if keep_decoded and _pick(impl, x.shape[0], packed.shape[0], "dgrad", gluon_available(x)) == "dequant":
                 decoded = torch.empty(*packed.shape[:-1], packed.shape[-1] * 2, dtype=torch.bfloat16,
                                       device=packed.device)
             y = dequant_fwd(x, packed, scale, *ctx.host, into=decoded)
@@ -155,7 +158,8 @@ class _NVFP4MoELinear(torch.autograd.Function):
         gx = None
         if ctx.needs_input_grad[0]:
             g = grad.to(torch.bfloat16)
-            if decoded is not None or _pick(ctx.impl, g.shape[0], packed.shape[0], "dgrad") == "dequant":
+            if decoded is not None or _pick(ctx.impl, g.shape[0], packed.shape[0], "dgrad",
+                                            gluon_available(g)) == "dequant":
                 gx = dequant_dgrad(g, packed, scale, *(ctx.host or _host(gs, offsets)), decoded=decoded)
             else:
                 gx = launch_dgrad(g, packed, scale, gs, offsets, decoder=ctx.decoder)

@@ -254,6 +254,27 @@ def dgrad_config(m: int, num_experts: int) -> dict:
     return dict(BM=128, BK=128, BN=128, num_warps=8, num_stages=3, SWAP=False)
 
 
+# The input gradient's default on sm_90 above this many rows per expert (average): the warp-specialized Gluon kernel
+# of ``nvfp4_moe_gluon`` with BM=256, where the Triton kernel's decode and MMAs take turns. Measured on the H200 at
+# 4096 tokens (128 rows per expert, gate_up + down): 6.55 ms (run38) and 6.90 (run39) vs Triton 7.97, bf16 6.21-6.35.
+GLUON_DGRAD_MIN_ROWS = 96
+GLUON_DGRAD_CONFIG = dict(GLUON=True, BM=256)
+
+
+def gluon_available(t) -> bool:
+    """Whether the Gluon kernel can run on ``t``'s device (Gluon importable, sm_90)."""
+    if not t.is_cuda:
+        return False
+    from quant.kernels.nvfp4_moe_gluon import gluon_usable  # imports Triton and Gluon: CUDA callers only
+
+    return gluon_usable(t)
+
+
+def gluon_dgrad_default(dy, m: int, num_experts: int) -> bool:
+    """Whether ``launch_dgrad`` without a config runs the Gluon kernel for these rows."""
+    return m > GLUON_DGRAD_MIN_ROWS * num_experts and gluon_available(dy)
+
+
 def _prep(packed, scale, decoder):
     """(weight words, scale bytes, words per row) for the kernels; views, no copies if contiguous."""
     packed = packed.contiguous()
@@ -269,7 +290,8 @@ def _prep(packed, scale, decoder):
 
 def launch_fwd(x, packed, scale, gs, offsets, out=None, config=None, decoder=None):
     """Forward kernel: y [M, N] bf16 (into ``out`` if given); ``config`` overrides ``fwd_config``'s tiles;
-    ``config={"GLUON": True, ...}`` runs the Gluon kernel of ``nvfp4_moe_gluon`` instead (sm_90; not yet measured)."""
+    ``config={"GLUON": True, ...}`` runs the Gluon kernel of ``nvfp4_moe_gluon`` instead (sm_90; slower than these
+    forward kernels at 4K-32K tokens, run38)."""
     triton, fwd_kernel, _ = _kernels()
     e, n, kh = packed.shape
     k = kh * 2
@@ -300,12 +322,15 @@ def launch_fwd(x, packed, scale, gs, offsets, out=None, config=None, decoder=Non
 
 def launch_dgrad(dy, packed, scale, gs, offsets, out=None, config=None, decoder=None):
     """Input-gradient kernel: dx [M, K] bf16 (into ``out`` if given); ``config`` overrides ``dgrad_config``'s tiles;
-    ``config={"GLUON": True, ...}`` runs the Gluon kernel of ``nvfp4_moe_gluon`` instead (sm_90; not yet measured)."""
+    ``config={"GLUON": True, ...}`` runs the Gluon kernel of ``nvfp4_moe_gluon`` instead (sm_90), the default there
+    above ``GLUON_DGRAD_MIN_ROWS`` rows per expert."""
     triton, _, dgrad_kernel = _kernels()
     e, n, kh = packed.shape
     k = kh * 2
     m = dy.shape[0]
     decoder = decoder or DEFAULT_DECODER
+    if config is None and decoder == DEFAULT_DECODER and gluon_dgrad_default(dy, m, e):
+        config = GLUON_DGRAD_CONFIG
     cfg = dict(dgrad_config(m, e), **(config or {}))
     words, sbytes, kw = _prep(packed, scale, decoder)
     dy = dy.contiguous()

@@ -19,9 +19,11 @@ Opt-in (``launch_fwd`` / ``launch_dgrad`` with ``config={"GLUON": True, ...}``);
 (tests/quant/test_kernels_gpu.py) and ``bench_expert_gemm.py --variants``.
 """
 
+import functools
+
 import torch
 
-from quant.kernels.e2m1_asm import E2M1_BF16X2_ASM, E2M1_BF16X2_ASM_PRESCALED
+from quant.kernels.e2m1_asm import E2M1_BF16X2_ASM
 
 try:
     from triton.experimental import gluon
@@ -36,7 +38,6 @@ except ImportError:  # CPU installs without Triton, or a Triton without Gluon
 
 if gluon is not None:
     _ASM = gl.constexpr(E2M1_BF16X2_ASM)
-    _ASM_PRESCALED = gl.constexpr(E2M1_BF16X2_ASM_PRESCALED)
 
     @gluon.jit
     def _add(a, b):
@@ -71,15 +72,11 @@ if gluon is not None:
         return p, s
 
     @gluon.jit
-    def _decode(p, s, WR: gl.constexpr, WC: gl.constexpr, FOLD: gl.constexpr):
-        # int32 words [WR, WC/8] and their scale bytes -> bf16 [WR, WC], code j of a word at column 8 * word + j:
-        # e2m1 * s, or with FOLD e2m1 * s * 2^-7 (one fma per pair instead of two; E2M1_BF16X2_ASM_PRESCALED).
-        if FOLD:
-            sb = (s.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 6.646139978924579e+35).to(gl.bfloat16)  # 2^119
-        else:
-            sb = s.to(gl.float8e4nv, bitcast=True).to(gl.bfloat16)
+    def _decode(p, s, WR: gl.constexpr, WC: gl.constexpr):
+        # int32 words [WR, WC/8] and their scale bytes -> bf16 [WR, WC], code j of a word at column 8 * word + j.
+        sb = s.to(gl.float8e4nv, bitcast=True).to(gl.bfloat16)
         n0, n1, n2, n3, n4, n5, n6, n7 = gl.inline_asm_elementwise(
-            _ASM_PRESCALED if FOLD else _ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [p, sb],
+            _ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [p, sb],
             dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16,
                    gl.bfloat16), is_pure=True, pack=1)
         t = gl.join(gl.join(gl.join(n0, n4), gl.join(n2, n6)), gl.join(gl.join(n1, n5), gl.join(n3, n7)))
@@ -108,7 +105,7 @@ if gluon is not None:
 
     @gluon.jit
     def _ws_decode(w_ptr, s_ptr, w_s, ready, empty, e, o0, n_steps, N, K, KW, KS, DGRAD: gl.constexpr,
-                   DW: gl.constexpr, FOLD: gl.constexpr):
+                   DW: gl.constexpr):
         # Each step's weight tile decoded into the ring; the next step's packed words load while this one decodes.
         S: gl.constexpr = w_s.type.shape[0]
         WR: gl.constexpr = w_s.type.shape[1]
@@ -118,7 +115,7 @@ if gluon is not None:
         p, s = _step_words(w_ptr, s_ptr, e64, o0, 0, N, K, KW, KS, WR, WC, DGRAD, lw)
         for i in range(n_steps):
             b = i % S
-            w = _decode(p, s, WR, WC, FOLD)
+            w = _decode(p, s, WR, WC)
             p, s = _step_words(w_ptr, s_ptr, e64, o0, i + 1, N, K, KW, KS, WR, WC, DGRAD, lw)
             mbarrier.wait(empty.index(b), ((i // S) & 1) ^ 1)
             w_s.index(b).store(w)
@@ -154,8 +151,7 @@ if gluon is not None:
     @gluon.jit
     def _gemm_ws(in_desc, w_ptr, s_ptr, gs_ptr, off_ptr, out_ptr, N, K, E, KW, KS, stride_out,
                  E_P2: gl.constexpr, BM: gl.constexpr, BO: gl.constexpr, BR: gl.constexpr, S: gl.constexpr,
-                 DGRAD: gl.constexpr, DW: gl.constexpr, DREGS: gl.constexpr, FOLD: gl.constexpr,
-                 num_warps: gl.constexpr):
+                 DGRAD: gl.constexpr, DW: gl.constexpr, DREGS: gl.constexpr, num_warps: gl.constexpr):
         # out tile [BM, BO] = in[BM, R] @ B[R, BO]; the weight tile in shared memory is [W rows, W cols].
         WR: gl.constexpr = BR if DGRAD else BO
         WC: gl.constexpr = BO if DGRAD else BR
@@ -186,16 +182,24 @@ if gluon is not None:
             acc, = gl.warp_specialize([
                 (_ws_mma, (in_s, w_s, in_ready, in_empty, w_ready, w_empty, n_steps, DGRAD, num_warps)),
                 (_ws_load, (in_desc, in_s, in_ready, in_empty, row0.to(gl.int32), n_steps)),
-                (_ws_decode, (w_ptr, s_ptr, w_s, w_ready, w_empty, e, o0, n_steps, N, K, KW, KS, DGRAD, DW, FOLD)),
+                (_ws_decode, (w_ptr, s_ptr, w_s, w_ready, w_empty, e, o0, n_steps, N, K, KW, KS, DGRAD, DW)),
             ], [1, DW], [24, DREGS])
-            gs = gl.load(gs_ptr + e)
-            if FOLD:
-                gs = gs * 128.0  # the decode's 2^-7
-            out = gl.convert_layout((acc * gs).to(gl.bfloat16), ld)
+            out = gl.convert_layout((acc * gl.load(gs_ptr + e)).to(gl.bfloat16), ld)
             rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, ld))
             cols = o0 + gl.arange(0, BO, layout=gl.SliceLayout(0, ld))
             gl.store(out_ptr + rows.to(gl.int64)[:, None] * stride_out + cols[None, :], out,
                      mask=(rows < row_end)[:, None] & (cols < o_cols)[None, :])
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def gluon_usable(t: torch.Tensor) -> bool:
+    """Whether the Gluon kernel can run on ``t``'s device: Gluon importable and an sm_90 GPU."""
+    return _gemm_ws is not None and t.is_cuda and _sm90(t.device.index if t.device.index is not None else
+                                                        torch.cuda.current_device())
 
 
 def ws_config(cfg: dict) -> dict:
@@ -204,8 +208,7 @@ def ws_config(cfg: dict) -> dict:
     (4 or 8; 8 at BM=256), DW decode warps (4 or 8) with DREGS registers each."""
     bm = cfg.get("BM", 128)
     out = dict(BM=bm, BO=cfg.get("BO", 128), BR=cfg.get("BR", 64), S=cfg.get("S", 4),
-               WARPS=cfg.get("WARPS", 8 if bm == 256 else 4), DW=cfg.get("DW", 4), DREGS=cfg.get("DREGS", 128),
-               FOLD=bool(cfg.get("FOLD", False)))
+               WARPS=cfg.get("WARPS", 8 if bm == 256 else 4), DW=cfg.get("DW", 4), DREGS=cfg.get("DREGS", 128))
     if bm not in (64, 128, 256) or out["BR"] != 64 or out["WARPS"] not in (4, 8) or out["DW"] not in (4, 8):
         raise ValueError(f"nvfp4 expert GEMM GLUON config {out}: BM 64/128/256, BR 64, WARPS 4/8, DW 4/8")
     return out
@@ -222,7 +225,7 @@ def launch_gluon(inp, packed, scale, gs, offsets, out, cfg, dgrad: bool):
     into ``out``; tiles from ``ws_config(cfg)``."""
     import triton
 
-    if _gemm_ws is None or not inp.is_cuda or torch.cuda.get_device_capability(inp.device)[0] != 9:
+    if not gluon_usable(inp):
         raise RuntimeError("nvfp4 expert GEMM config GLUON=True needs Gluon and an sm_90 device")
     c = ws_config(cfg)
     e, n, kh = packed.shape
@@ -237,6 +240,6 @@ def launch_gluon(inp, packed, scale, gs, offsets, out, cfg, dgrad: bool):
     grid = ((triton.cdiv(m, c["BM"]) + e) * triton.cdiv(o_cols, c["BO"]),)
     _gemm_ws[grid](desc, words, scale.contiguous().view(torch.uint8), gs, offsets, out, n, k, e, words.shape[-1],
                    k // 16, out.stride(0), E_P2=triton.next_power_of_2(e), BM=c["BM"], BO=c["BO"], BR=c["BR"],
-                   S=c["S"], DGRAD=dgrad, DW=c["DW"], DREGS=c["DREGS"], FOLD=c["FOLD"], num_warps=c["WARPS"],
+                   S=c["S"], DGRAD=dgrad, DW=c["DW"], DREGS=c["DREGS"], num_warps=c["WARPS"],
                    maxnreg=ws_maxnreg(c))
     return out

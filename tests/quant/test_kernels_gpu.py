@@ -174,18 +174,14 @@ CONFIG_VARIANTS = {  # tile configs beside the defaults (scripts/bench_expert_ge
     # the warp-specialized Gluon kernel (quant/kernels/nvfp4_moe_gluon.py): decode warps beside the MMA warps
     "dgrad_gluon_BM64": ("dgrad", dict(GLUON=True, BM=64)),
     "dgrad_gluon_BM128": ("dgrad", dict(GLUON=True, BM=128)),
-    "dgrad_gluon_BM128_DW8_fold": ("dgrad", dict(GLUON=True, BM=128, DW=8, DREGS=96, FOLD=True)),
+    "dgrad_gluon_BM128_DW8": ("dgrad", dict(GLUON=True, BM=128, DW=8, DREGS=96)),
     "dgrad_gluon_BM256": ("dgrad", dict(GLUON=True, BM=256)),
-    "dgrad_gluon_BM256_fold": ("dgrad", dict(GLUON=True, BM=256, FOLD=True)),
     "dgrad_gluon_BM256_DW8": ("dgrad", dict(GLUON=True, BM=256, DW=8, DREGS=64)),
-    "dgrad_gluon_BM256_DW8_fold": ("dgrad", dict(GLUON=True, BM=256, DW=8, DREGS=64, FOLD=True)),
     "fwd_gluon_BM64": ("fwd", dict(GLUON=True, BM=64)),
     "fwd_gluon_BM128": ("fwd", dict(GLUON=True, BM=128)),
-    "fwd_gluon_BM128_DW8_fold": ("fwd", dict(GLUON=True, BM=128, DW=8, DREGS=96, FOLD=True)),
+    "fwd_gluon_BM128_DW8": ("fwd", dict(GLUON=True, BM=128, DW=8, DREGS=96)),
     "fwd_gluon_BM256": ("fwd", dict(GLUON=True, BM=256)),
-    "fwd_gluon_BM256_fold": ("fwd", dict(GLUON=True, BM=256, FOLD=True)),
     "fwd_gluon_BM256_DW8": ("fwd", dict(GLUON=True, BM=256, DW=8, DREGS=64)),
-    "fwd_gluon_BM256_DW8_fold": ("fwd", dict(GLUON=True, BM=256, DW=8, DREGS=64, FOLD=True)),
 }
 
 

@@ -73,3 +73,19 @@ def test_chunked_expert_gemms_match_the_reference(chunk):
         assert got.shape == ref.shape
         rel = float((got.float() - ref.float()).norm() / ref.float().norm())
         assert rel <= 2.0**-8, rel
+
+
+def test_path_picks_by_rows_per_expert_and_device():
+    """The per-call path: the fused kernels below DEQUANT_MIN_ROWS rows per expert, decode + cuBLAS from there; the
+    input gradient's threshold is "dgrad_gluon" where the Gluon kernel runs (sm_90), and never on CPU tensors."""
+    from quant.kernels import nvfp4_moe_gemm as gemm
+
+    e, rows = 128, moe.DEQUANT_MIN_ROWS
+    assert moe._pick(None, rows["fwd"] * e - 1, e, "fwd") == "kernel"
+    assert moe._pick(None, rows["fwd"] * e, e, "fwd") == "dequant"
+    assert moe._pick(None, rows["dgrad"] * e, e, "dgrad", gluon=False) == "dequant"
+    assert moe._pick(None, rows["dgrad_gluon"] * e - 1, e, "dgrad", gluon=True) == "kernel"
+    assert moe._pick(None, rows["dgrad_gluon"] * e, e, "dgrad", gluon=True) == "dequant"
+    assert moe._pick("kernel", 10**9, e, "dgrad") == "kernel" and moe._pick("dequant", 1, e, "fwd") == "dequant"
+    cpu = torch.zeros(4, 8, dtype=torch.bfloat16)
+    assert not gemm.gluon_available(cpu) and not gemm.gluon_dgrad_default(cpu, 10**6, e)

@@ -47,7 +47,7 @@ def _run(path, device, overrides, ids, cu, replay=None):
     overrides = dict(overrides)
     if overrides.pop("_nvfp4_impl", None) == "dequant":
         saved = dict(nvfp4_moe.DEQUANT_MIN_ROWS)
-        nvfp4_moe.DEQUANT_MIN_ROWS.update(fwd=0, dgrad=0)
+        nvfp4_moe.DEQUANT_MIN_ROWS.update(fwd=0, dgrad=0, dgrad_gluon=0)
         try:
             return _run(path, device, overrides, ids, cu, replay)
         finally:
