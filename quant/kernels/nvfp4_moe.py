@@ -118,7 +118,8 @@ def nvfp4_moe_linear_reference(
 # (quant.kernels.nvfp4_dequant) instead of the fused kernels. Measured on the H200, all 128 M3 experts, gate_up +
 # down (results/gpu/run11/bench_expert.json): forward kernel 16.5 ms vs decode 17.9 at 512 rows (16K tokens), 29.4
 # vs 28.6 at 1024; input gradient kernel 13.2 vs decode 13.5 at 256 rows, 23.7 vs 17.9 at 512, 45.1 vs 28.4 at 1024.
-# "dgrad_gluon": the input gradient where the Gluon kernel is the kernel (sm_90, nvfp4_moe_gemm.GLUON_DGRAD_MIN_ROWS).
+# "dgrad_gluon": the input gradient where the Gluon kernel is the kernel (sm_90, nvfp4_moe_gemm.GLUON_DGRAD_MIN_ROWS):
+# Gluon 17.4 vs decode 18.0 ms at 512 rows, 30.7 vs 29.5 at 1024 (results/gpu/run40/bench_expert.json).
 DEQUANT_MIN_ROWS = {"fwd": 768, "dgrad": 384, "dgrad_gluon": 768}
 
 

@@ -255,8 +255,9 @@ def dgrad_config(m: int, num_experts: int) -> dict:
 
 
 # The input gradient's default on sm_90 above this many rows per expert (average): the warp-specialized Gluon kernel
-# of ``nvfp4_moe_gluon`` with BM=256, where the Triton kernel's decode and MMAs take turns. Measured on the H200 at
-# 4096 tokens (128 rows per expert, gate_up + down): 6.55 ms (run38) and 6.90 (run39) vs Triton 7.97, bf16 6.21-6.35.
+# of ``nvfp4_moe_gluon`` with BM=256, where the Triton kernel's decode and MMAs take turns. Measured on the H200
+# (results/gpu/run40, gate_up + down) at 128 / 256 / 512 rows per expert: 6.51 / 10.79 / 17.40 ms vs Triton 8.61 /
+# 13.51 / 23.72, bf16 6.34 / 8.21 / 14.03.
 GLUON_DGRAD_MIN_ROWS = 96
 GLUON_DGRAD_CONFIG = dict(GLUON=True, BM=256)
 
