@@ -49,8 +49,6 @@ __all__ = ["DECODERS", "DEFAULT_DECODER", "LARGE_M_CONFIG_BM256", "dgrad_config"
            "launch_fwd"]
 
 
-
-
 # ---------------------------------------------------------------------------------------------
 # Triton kernels (built on first use)
 
@@ -272,8 +270,10 @@ def gluon_available(t) -> bool:
 
 
 def gluon_dgrad_default(dy, m: int, num_experts: int) -> bool:
-    """Whether ``launch_dgrad`` without a config runs the Gluon kernel for these rows."""
-    return m > GLUON_DGRAD_MIN_ROWS * num_experts and gluon_available(dy)
+    """Whether ``launch_dgrad`` without a config runs the Gluon kernel for these rows of ``dy`` (contiguous; its TMA
+    needs 16-byte aligned rows)."""
+    return (m > GLUON_DGRAD_MIN_ROWS * num_experts and dy.shape[-1] % 8 == 0 and dy.data_ptr() % 16 == 0
+            and gluon_available(dy))
 
 
 def _prep(packed, scale, decoder):
@@ -330,11 +330,11 @@ def launch_dgrad(dy, packed, scale, gs, offsets, out=None, config=None, decoder=
     k = kh * 2
     m = dy.shape[0]
     decoder = decoder or DEFAULT_DECODER
+    dy = dy.contiguous()
     if config is None and decoder == DEFAULT_DECODER and gluon_dgrad_default(dy, m, e):
         config = GLUON_DGRAD_CONFIG
     cfg = dict(dgrad_config(m, e), **(config or {}))
     words, sbytes, kw = _prep(packed, scale, decoder)
-    dy = dy.contiguous()
     if out is None:
         out = torch.empty(m, k, dtype=torch.bfloat16, device=dy.device)
     if m == 0:
