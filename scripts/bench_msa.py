@@ -44,7 +44,7 @@ from rl.model import msa  # noqa: E402
 # per SM at 179 registers), 64-row tiles on 8 warps: run34 (88eb7ca). Merge / dQ sum with their slot loop unrolled
 # (tl.static_range) on 32-row tiles: merge 3.08 vs 2.48 ms, dQ sum 2.01 vs 2.14 at 32K (run35; 128-row tiles spill).
 SWEEP_FWD = [dict(), dict(fwd_kernel="triton"), dict(order="size")]
-SWEEP_BWD = [dict(), dict(fwd_kernel="triton"), dict(order="size")]
+SWEEP_BWD = [dict(), dict(fwd_kernel="triton"), dict(order="size"), dict(bwd_kernel="gluon_ws")]
 
 
 def parse_args():

@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -50,6 +51,7 @@ def compile_report(fn, types, constexprs, num_warps, num_stages, arch=90, divisi
         f.flush()
         tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
         out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     usage = next(line for line in out.splitlines() if "REG:" in line)
     # ptxas's own report: whether it had to serialize the wgmma pipeline (C7514, a silent slowdown otherwise)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
@@ -62,7 +64,29 @@ def compile_report(fn, types, constexprs, num_warps, num_stages, arch=90, divisi
     return {"kernel": fn.__name__, "warps": num_warps, "stages": None if gluon else num_stages,
             "registers": int(fields["REG"]),
             "stack_bytes": int(fields["STACK"]), "shared_bytes": k.metadata.shared,
-            "wgmma_serialized": "C7514" in info}
+            "wgmma_serialized": "C7514" in info, "mma_loop_spills": mma_loop_spills(sass)}
+
+
+def mma_loop_spills(sass: str):
+    """Local-memory stores + loads (spill traffic) per iteration of the innermost SASS loop that issues wgmma
+    (HGMMA), or None without one. A warp-specialized kernel shares one register file among its partitions: a
+    partition given few registers may spill outside that loop (the stack size counts it) while the MMA loop runs clean.
+    """
+    ins = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,6})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    loops = []
+    for addr, op, rest in ins:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
+        if target and int(target.group(1), 16) < addr:
+            body = [o for a, o, _ in ins if int(target.group(1), 16) <= a <= addr]
+            if any(o.startswith("HGMMA") for o in body):
+                loops.append(body)
+    if not loops:
+        return None
+    return sum(o.startswith(("STL", "LDL")) for o in min(loops, key=len))
 
 
 def main():
@@ -100,6 +124,10 @@ def main():
         compile_report(mbo._bwd, types, dict(shapes, TM=btm, BM=bbm, BN=a.bwd_keys, PREC="tf32",
                                              DQ_ATOMIC=False), a.bwd_warps, a.bwd_stages),
         compile_report(mbog._bwd_gluon, types, dict(shapes, TM=btm, BM=bbm), 8, 1),
+        compile_report(mbog._bwd_gluon_ws, types,
+                       dict(shapes, TM=btm, BM=bbm, **{k: v for k, v in mbog.WS_BWD.items()
+                                                       if k not in ("num_warps", "maxnreg")}),
+                       mbog.WS_BWD["num_warps"], 1, maxnreg=mbog.WS_BWD["maxnreg"]),
         compile_report(mbo._merge, types, dict(shapes, R=a.row_tile, HAS_DENSE=False), 4, 3),
         compile_report(mbo._reduce_dq, types, dict(shapes, NH=128 // a.bwd_keys, R=a.row_tile), 4, 3),
     ]

@@ -46,9 +46,9 @@ from rl.model.msa_block_plan import DEFAULT, Config, Plan, build_plan  # noqa: F
 from rl.model.packed import seq_bounds, sequence_group_spans
 
 try:
-    from rl.model.msa_block_outer_gluon import _bwd_gluon, _fwd_gluon
+    from rl.model.msa_block_outer_gluon import WS_BWD, _bwd_gluon, _bwd_gluon_ws, _fwd_gluon
 except ImportError:  # no Triton or no Gluon
-    _bwd_gluon = _fwd_gluon = None
+    _bwd_gluon = _bwd_gluon_ws = _fwd_gluon = None
 
 try:  # module-level jit functions: Triton's interpreter resolves callees from module globals
     import triton
@@ -245,7 +245,8 @@ def tile_shape(rows: int, g: int) -> tuple[int, int]:
 
 def _kernels(q, k, config) -> Config:
     """Config.fwd_kernel / bwd_kernel resolved for these inputs: 'gluon' (Hopper wgmma) where it runs and was asked
-    for or 'auto', else 'triton'; a 'gluon' request that cannot run fails here, before any work."""
+    for or 'auto' ('gluon_ws' where asked for), else 'triton'; a Gluon request that cannot run fails here, before any
+    work."""
     hopper = (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
               and torch.cuda.get_device_capability(q.device)[0] == 9)
     g = q.shape[1] // k.shape[1]
@@ -254,9 +255,11 @@ def _kernels(q, k, config) -> Config:
             "bwd_kernel": (_bwd_gluon is not None and hopper and config.bwd_keys == BLOCK and config.dq == "partial")}
     needs = {"fwd_kernel": "64- or 128-row tiles, head dim 128", "bwd_kernel": "bwd_keys=128, dq='partial'"}
     for name, ok in fits.items():
-        if getattr(config, name) == "gluon" and not ok:
-            raise ValueError(f"Config.{name}='gluon' needs Gluon, an sm_90 device, bf16/fp16, {needs[name]}")
-    return dataclasses.replace(config, **{name: "gluon" if getattr(config, name) != "triton" and ok else "triton"
+        if getattr(config, name).startswith("gluon") and not ok:
+            raise ValueError(f"Config.{name}={getattr(config, name)!r} needs Gluon, an sm_90 device, bf16/fp16, "
+                             f"{needs[name]}")
+    asked = {name: getattr(config, name) for name in fits}
+    return dataclasses.replace(config, **{name: ("gluon" if asked[name] == "auto" else asked[name]) if ok else "triton"
                                           for name, ok in fits.items()})
 
 
@@ -311,7 +314,11 @@ def _backward(q, k, v, o, lse, do, plan: Plan, scale: float, config: Config, dq,
     dks = torch.empty(ni * BLOCK, dim, dtype=torch.float32, device=q.device)
     dvs = torch.empty_like(dks)
     qk_scale = scale * math.log2(math.e)
-    if ni and config.bwd_kernel == "gluon":  # resolved by sparse_attention
+    if ni and config.bwd_kernel == "gluon_ws":  # resolved by sparse_attention
+        _bwd_gluon_ws[(ni,)](q, k, v, do, lse, delta, dq_buf, dks, dvs, plan.entries, plan.order, plan.item_key,
+                             plan.item_lo, plan.item_hi, plan.kstart, t_count, plan.nkb, qk_scale,
+                             HQ=hq, HKV=hkv, G=g, TOPK=topk, TM=tm, BM=bm, D=dim, **WS_BWD)
+    elif ni and config.bwd_kernel == "gluon":
         _bwd_gluon[(ni,)](q, k, v, do, lse, delta, dq_buf, dks, dvs, plan.entries, plan.order, plan.item_key,
                           plan.item_lo, plan.item_hi, plan.kstart, t_count, plan.nkb, qk_scale,
                           HQ=hq, HKV=hkv, G=g, TOPK=topk, TM=tm, BM=bm, D=dim, num_warps=8)

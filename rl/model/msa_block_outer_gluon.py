@@ -21,6 +21,12 @@ was 46%); 12.0 ms with dS from shared memory (run35: 12.68 ms beside it). Tried 
 while the next tile's MMAs run (ptxas then serializes the MMAs: an accumulator is read inside the MMA pipeline),
 storing dQ straight from the MMA layout (uncoalesced), issuing dQ before dK.
 
+Backward, warp-specialized (`_bwd_gluon_ws`, opt-in: Config.bwd_kernel='gluon_ws'; compiled for sm_90, not yet run on a
+GPU): the same tile math in 8 warps while a 4-warp loader partition computes each tile's entry rows and gathers its
+q/dO rows and per-row values into a 2-stage ring (cp.async, completion on an mbarrier), so the math warps issue no
+copies and wait on no entry loads: its MMA loop is 666 SASS instructions per thread per tile against 821 (sm_90
+compile). The lead of issue 18 for the backward's remaining gap to its floor (12.0 vs 6.8 ms at 32K).
+
 Operands bf16, fp32 accumulation, P and dS rounded to bf16 before their MMAs, as in the Triton kernels: the same
 results up to accumulation order (the GPU tests hold both to the fp32 reference's bounds). Gluon has no interpreter:
 the kernels run on sm_90 only (wgmma is Hopper's; msa_block_outer picks the Triton kernels elsewhere). The GPU tests
@@ -34,10 +40,17 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
 except ImportError:  # CPU installs without Triton, or a Triton without Gluon
     gluon = None
-    _bwd_gluon = _fwd_gluon = None
+    _bwd_gluon = _bwd_gluon_ws = _fwd_gluon = None
+
+
+# _bwd_gluon_ws's launch: 8 math warps + a 4-warp loader, one program per SM (64K registers over 12 warps: 168 each
+# at launch; the loader gives back all but 24, the math warps take 240). Compiled for sm_90: its MMA loop reloads 2
+# spilled values per tile and stores none (scripts/msa_kernel_resources.py).
+WS_BWD = dict(S=2, LW=4, LREGS=24, num_warps=8, maxnreg=168)
 
 
 if gluon is not None:
@@ -87,6 +100,92 @@ if gluon is not None:
         async_copy.async_copy_global_to_shared(q_buf, q_ptr + qrow[:, None] * D + d[None, :], mask=ok[:, None])
         async_copy.async_copy_global_to_shared(e_buf, ent_ptr + slot, mask=ok)
         async_copy.commit_group()
+
+    @gluon.constexpr_function
+    def _bwd_layouts(BM, D, num_warps):
+        # The backward's MMA layouts, warps along the keys: S^T and dP^T [BN keys, BM rows], dK and dV [BN, D], dQ
+        # [BM, D] (warps split over rows and head dims), and P^T / dS^T as the A operand of the dV / dK MMAs.
+        kv = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, D, 16])
+        return (gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BM, 16]), kv,
+                gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
+                                          instr_shape=[16, D // (num_warps // 4), 16]),
+                gl.DotOperandLayout(operand_index=0, parent=kv, k_width=2))
+
+    @gluon.jit
+    def _bwd_init(k0, BM: gl.constexpr, D: gl.constexpr, num_warps: gl.constexpr):
+        # Per-item values of the backward's tile loop: the block's key ids and tile row ids (S^T layout), zero
+        # accumulators for S^T / dP^T and dQ, and dK, dV.
+        BN: gl.constexpr = 128
+        s_l: gl.constexpr = _bwd_layouts(BM, D, num_warps)[0]
+        kv_l: gl.constexpr = _bwd_layouts(BM, D, num_warps)[1]
+        dq_l: gl.constexpr = _bwd_layouts(BM, D, num_warps)[2]
+        s_kidx = k0 + gl.arange(0, BN, layout=gl.SliceLayout(1, s_l))
+        s_r = gl.arange(0, BM, layout=gl.SliceLayout(0, s_l))
+        return (s_kidx, s_r, gl.zeros([BN, BM], gl.float32, s_l), gl.zeros([BM, D], gl.float32, dq_l),
+                gl.zeros([BN, D], gl.float32, kv_l), gl.zeros([BN, D], gl.float32, kv_l))
+
+    @gluon.jit
+    def _bwd_smem(dt: gl.constexpr, BM: gl.constexpr, D: gl.constexpr, S: gl.constexpr):
+        # The backward's shared memory: the item's K/V block, S stages of gathered q/dO rows and of their per-row
+        # values (entry id, LSE, delta: held in registers in the S^T layout they would cost 16 registers each per
+        # tile in flight), and dS^T for the dQ MMA.
+        BN: gl.constexpr = 128
+        kv_sh: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], dt)
+        q_sh: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], dt)
+        vec_sh: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        return (gl.allocate_shared_memory(dt, [BN, D], kv_sh), gl.allocate_shared_memory(dt, [BN, D], kv_sh),
+                gl.allocate_shared_memory(dt, [S, BM, D], q_sh), gl.allocate_shared_memory(dt, [S, BM, D], q_sh),
+                gl.allocate_shared_memory(dt, [BN, BM], gl.NVMMASharedLayout.get_default_for([BN, BM], dt)),
+                gl.allocate_shared_memory(gl.int32, [S, BM], vec_sh),
+                gl.allocate_shared_memory(gl.float32, [S, BM], vec_sh),
+                gl.allocate_shared_memory(gl.float32, [S, BM], vec_sh))
+
+    @gluon.jit
+    def _bwd_tile(st, dpt, qb, dob, e_b, lse_b, dl_b, k_s, ds_s, dk, dv, s_kidx, s_r, base, hi, qk_scale, zero_dq,
+                  HKV: gl.constexpr, G: gl.constexpr, TOPK: gl.constexpr, TM: gl.constexpr, s_l: gl.constexpr,
+                  a_kv: gl.constexpr):
+        # A backward tile once S^T and dP^T are issued: P, dV += P^T dO under dP^T, dS, dK += dS Q, and
+        # dQ = dS K with dS exchanged through shared memory; returns (dQ, dK, dV) with every MMA retired.
+        dt: gl.constexpr = qb.dtype
+        scol_l: gl.constexpr = gl.SliceLayout(0, s_l)
+        c_ok = (s_r < TM * G) & (base + s_r // G < hi)
+        c_tok = e_b.load(scol_l) // (HKV * TOPK)
+        c_lse = lse_b.load(scol_l)
+        st = warpgroup_mma_wait(1, deps=(st, ))
+        vis = (s_kidx[:, None] <= c_tok[None, :]) & c_ok[None, :]
+        pt = gl.where(vis, gl.exp2(st * qk_scale - c_lse[None, :]), 0.0)
+        p_a = gl.convert_layout(pt.to(dt), a_kv)
+        dv = warpgroup_mma(p_a, dob, dv, is_async=True)
+        c_delta = dl_b.load(scol_l)
+        dpt = warpgroup_mma_wait(1, deps=(dpt, ))
+        dst = (pt * (dpt - c_delta[None, :])).to(dt)
+        ds_a = gl.convert_layout(dst, a_kv)
+        dk = warpgroup_mma(ds_a, qb, dk, is_async=True)
+        ds_s.store(dst)
+        fence_async_shared()
+        dq = warpgroup_mma(ds_s.permute((1, 0)), k_s, zero_dq, use_acc=False, is_async=True)
+        dq, dk, dv, p_a, ds_a = warpgroup_mma_wait(0, deps=(dq, dk, dv, p_a, ds_a))
+        return dq, dk, dv
+
+    @gluon.jit
+    def _store_dq(dq, dq_ptr, base, hi, G: gl.constexpr, TM: gl.constexpr, BM: gl.constexpr, D: gl.constexpr,
+                  ld: gl.constexpr):
+        # A tile's dQ as bf16 partial rows [base*G, base*G + BM) (rows of entries past the item's end: not stored).
+        dq_r = gl.arange(0, BM, layout=gl.SliceLayout(1, ld))
+        d = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
+        q_ok = (dq_r < TM * G) & (base + dq_r // G < hi)
+        tile = dq_ptr + base.to(gl.int64) * (G * D)
+        gl.store(tile + dq_r[:, None] * D + d[None, :], gl.convert_layout(dq.to(dq_ptr.dtype.element_ty), ld),
+                 mask=q_ok[:, None])
+
+    @gluon.jit
+    def _store_dkdv(dk, dv, dks_ptr, dvs_ptr, it, BN: gl.constexpr, D: gl.constexpr, kv_l: gl.constexpr):
+        # The item's dK/dV sums to its scratch rows (summed over the key's items by _reduce_dkdv).
+        kr = gl.arange(0, BN, layout=gl.SliceLayout(1, kv_l))
+        kd = gl.arange(0, D, layout=gl.SliceLayout(0, kv_l))
+        srow = (it.to(gl.int64) * BN + kr)[:, None] * D + kd[None, :]
+        gl.store(dks_ptr + srow, dk)
+        gl.store(dvs_ptr + srow, dv)
 
     @gluon.jit
     def _fwd_gluon(q_ptr, k_ptr, v_ptr, opart_ptr, lpart_ptr, ent_ptr, order_ptr, key_ptr, lo_ptr, hi_ptr, kstart_ptr,
@@ -175,30 +274,10 @@ if gluon is not None:
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
         row_l: gl.constexpr = gl.SliceLayout(1, ld)
         col_l: gl.constexpr = gl.SliceLayout(0, ld)
-        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                      instr_shape=[16, BM, 16])  # S^T, dP^T: [BN keys, BM rows]
-        kv_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, D, 16])  # dK, dV: [BN, D]
-        dq_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
-                                                       instr_shape=[16, D // (num_warps // 4), 16])  # dQ: [BM, D]
-        a_kv: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_l, k_width=2)
-        scol_l: gl.constexpr = gl.SliceLayout(0, s_l)  # per tile row (a column of S^T)
-        srow_l: gl.constexpr = gl.SliceLayout(1, s_l)  # per key
-        kv_sh: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], dt)
-        q_sh: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], dt)
-        ds_sh: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BM], dt)
-        vec_sh: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-
-        k_s = gl.allocate_shared_memory(dt, [BN, D], kv_sh)
-        v_s = gl.allocate_shared_memory(dt, [BN, D], kv_sh)
-        q_s = gl.allocate_shared_memory(dt, [2, BM, D], q_sh)
-        do_s = gl.allocate_shared_memory(dt, [2, BM, D], q_sh)
-        ds_s = gl.allocate_shared_memory(dt, [BN, BM], ds_sh)
-        # Per-row values of a tile (entry id, LSE, delta) go through shared memory with its q/dO rows: held in
-        # registers in the S^T layout they would cost 16 registers each per tile in flight.
-        e_s = gl.allocate_shared_memory(gl.int32, [2, BM], vec_sh)
-        lse_s = gl.allocate_shared_memory(gl.float32, [2, BM], vec_sh)
-        dl_s = gl.allocate_shared_memory(gl.float32, [2, BM], vec_sh)
+        s_l: gl.constexpr = _bwd_layouts(BM, D, num_warps)[0]
+        kv_l: gl.constexpr = _bwd_layouts(BM, D, num_warps)[1]
+        a_kv: gl.constexpr = _bwd_layouts(BM, D, num_warps)[3]
+        k_s, v_s, q_s, do_s, ds_s, e_s, lse_s, dl_s = _bwd_smem(dt, BM, D, 2)
 
         it, h, lo, hi, k0, d = _item_kv(order_ptr, key_ptr, lo_ptr, hi_ptr, kstart_ptr, k_ptr, v_ptr, k_s, v_s, T, NKB,
                                         HKV, D, BN, row_l, col_l)
@@ -206,13 +285,7 @@ if gluon is not None:
         _copy_tile(q_s.index(0), do_s.index(0), e_s.index(0), lse_s.index(0), dl_s.index(0), q_ptr, do_ptr, ent_ptr,
                    lse_ptr, delta_ptr, ok, slot, qrow, d, D)
         n_ok, n_slot, n_qrow = _entry_rows(ent_ptr, lo + TM, hi, h, HQ, HKV, G, TOPK, TM, BM, row_l)
-        s_kidx = k0 + gl.arange(0, BN, layout=srow_l)
-        s_r = gl.arange(0, BM, layout=scol_l)
-        zero_s = gl.zeros([BN, BM], gl.float32, s_l)
-        zero_dq = gl.zeros([BM, D], gl.float32, dq_l)
-        dk = gl.zeros([BN, D], gl.float32, kv_l)
-        dv = gl.zeros([BN, D], gl.float32, kv_l)
-        dq_r = gl.arange(0, BM, layout=row_l)
+        s_kidx, s_r, zero_s, zero_dq, dk, dv = _bwd_init(k0, BM, D, num_warps)
         n_tiles = (hi - lo + TM - 1) // TM
         for i in range(n_tiles):
             base = lo + i * TM
@@ -228,30 +301,84 @@ if gluon is not None:
             dpt = warpgroup_mma(v_s, dob.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             # While the MMAs run: the entry ids two tiles ahead (addresses of the next iteration's copies).
             n_ok, n_slot, n_qrow = _entry_rows(ent_ptr, base + 2 * TM, hi, h, HQ, HKV, G, TOPK, TM, BM, row_l)
-            c_ok = (s_r < TM * G) & (base + s_r // G < hi)
-            c_tok = e_s.index(buf).load(scol_l) // (HKV * TOPK)
-            c_lse = lse_s.index(buf).load(scol_l)
-            st = warpgroup_mma_wait(1, deps=(st, ))
-            vis = (s_kidx[:, None] <= c_tok[None, :]) & c_ok[None, :]
-            pt = gl.where(vis, gl.exp2(st * qk_scale - c_lse[None, :]), 0.0)
-            p_a = gl.convert_layout(pt.to(dt), a_kv)
-            dv = warpgroup_mma(p_a, dob, dv, is_async=True)
-            c_delta = dl_s.index(buf).load(scol_l)
-            dpt = warpgroup_mma_wait(1, deps=(dpt, ))
-            dst = (pt * (dpt - c_delta[None, :])).to(dt)
-            ds_a = gl.convert_layout(dst, a_kv)
-            dk = warpgroup_mma(ds_a, qb, dk, is_async=True)
-            ds_s.store(dst)
-            fence_async_shared()
-            dq = warpgroup_mma(ds_s.permute((1, 0)), k_s, zero_dq, use_acc=False, is_async=True)
-            dq, dk, dv, p_a, ds_a = warpgroup_mma_wait(0, deps=(dq, dk, dv, p_a, ds_a))
-            q_ok = (dq_r < TM * G) & (base + dq_r // G < hi)
-            tile = dq_ptr + base.to(gl.int64) * (G * D)
-            gl.store(tile + dq_r[:, None] * D + d[None, :], gl.convert_layout(dq.to(dq_ptr.dtype.element_ty), ld),
-                     mask=q_ok[:, None])
+            dq, dk, dv = _bwd_tile(st, dpt, qb, dob, e_s.index(buf), lse_s.index(buf), dl_s.index(buf), k_s, ds_s, dk,
+                                   dv, s_kidx, s_r, base, hi, qk_scale, zero_dq, HKV, G, TOPK, TM, s_l, a_kv)
+            _store_dq(dq, dq_ptr, base, hi, G, TM, BM, D, ld)
         async_copy.wait_group(0)
-        kr = gl.arange(0, BN, layout=gl.SliceLayout(1, kv_l))
-        kd = gl.arange(0, D, layout=gl.SliceLayout(0, kv_l))
-        srow = (it.to(gl.int64) * BN + kr)[:, None] * D + kd[None, :]
-        gl.store(dks_ptr + srow, dk)
-        gl.store(dvs_ptr + srow, dv)
+        _store_dkdv(dk, dv, dks_ptr, dvs_ptr, it, BN, D, kv_l)
+
+    @gluon.jit
+    def _bwd_ws_load(q_ptr, do_ptr, ent_ptr, lse_ptr, delta_ptr, q_s, do_s, e_s, lse_s, dl_s, ready, empty, lo, hi, h,
+                     n_tiles, HQ: gl.constexpr, HKV: gl.constexpr, G: gl.constexpr, TOPK: gl.constexpr,
+                     TM: gl.constexpr, BM: gl.constexpr, D: gl.constexpr, LW: gl.constexpr):
+        # Loader partition of _bwd_gluon_ws: tile i's entry ids, then its gathered q/dO rows and per-row values into
+        # ring stage i % S by cp.async; the stage's `ready` completes when every thread's copies have landed (their
+        # cp.async arrivals) and this partition has arrived once.
+        S: gl.constexpr = q_s.type.shape[0]
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [LW, 1], [1, 0])
+        row_l: gl.constexpr = gl.SliceLayout(1, ld)
+        d = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
+        for i in range(n_tiles):
+            b = i % S
+            ok, slot, qrow = _entry_rows(ent_ptr, lo + i * TM, hi, h, HQ, HKV, G, TOPK, TM, BM, row_l)
+            mbarrier.wait(empty.index(b), ((i // S) & 1) ^ 1)
+            _copy_tile(q_s.index(b), do_s.index(b), e_s.index(b), lse_s.index(b), dl_s.index(b), q_ptr, do_ptr,
+                       ent_ptr, lse_ptr, delta_ptr, ok, slot, qrow, d, D)
+            async_copy.mbarrier_arrive(ready.index(b))
+            mbarrier.arrive(ready.index(b), count=1)
+
+    @gluon.jit
+    def _bwd_ws_math(k_s, v_s, q_s, do_s, ds_s, e_s, lse_s, dl_s, ready, empty, dq_ptr, dks_ptr, dvs_ptr, it, lo, hi,
+                     k0, n_tiles, qk_scale, HKV: gl.constexpr, G: gl.constexpr, TOPK: gl.constexpr, TM: gl.constexpr,
+                     BM: gl.constexpr, D: gl.constexpr, num_warps: gl.constexpr):
+        # The math partition of _bwd_gluon_ws: _bwd_gluon's tile loop without its copies and entry loads.
+        BN: gl.constexpr = 128
+        S: gl.constexpr = q_s.type.shape[0]
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+        s_l: gl.constexpr = _bwd_layouts(BM, D, num_warps)[0]
+        kv_l: gl.constexpr = _bwd_layouts(BM, D, num_warps)[1]
+        a_kv: gl.constexpr = _bwd_layouts(BM, D, num_warps)[3]
+        s_kidx, s_r, zero_s, zero_dq, dk, dv = _bwd_init(k0, BM, D, num_warps)
+        for i in range(n_tiles):
+            base = lo + i * TM
+            b = i % S
+            mbarrier.wait(ready.index(b), (i // S) & 1)
+            fence_async_shared()  # the cp.async writes before the MMAs' reads
+            qb = q_s.index(b)
+            dob = do_s.index(b)
+            st = warpgroup_mma(k_s, qb.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            dpt = warpgroup_mma(v_s, dob.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            dq, dk, dv = _bwd_tile(st, dpt, qb, dob, e_s.index(b), lse_s.index(b), dl_s.index(b), k_s, ds_s, dk, dv,
+                                   s_kidx, s_r, base, hi, qk_scale, zero_dq, HKV, G, TOPK, TM, s_l, a_kv)
+            mbarrier.arrive(empty.index(b), count=1)  # the stage's rows are read: the loader may refill it
+            _store_dq(dq, dq_ptr, base, hi, G, TM, BM, D, ld)
+        _store_dkdv(dk, dv, dks_ptr, dvs_ptr, it, BN, D, kv_l)
+
+    @gluon.jit
+    def _bwd_gluon_ws(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dks_ptr, dvs_ptr, ent_ptr, order_ptr,
+                      key_ptr, lo_ptr, hi_ptr, kstart_ptr, T, NKB, qk_scale, HQ: gl.constexpr, HKV: gl.constexpr,
+                      G: gl.constexpr, TOPK: gl.constexpr, TM: gl.constexpr, BM: gl.constexpr, D: gl.constexpr,
+                      S: gl.constexpr, LW: gl.constexpr, LREGS: gl.constexpr, num_warps: gl.constexpr):
+        # _bwd_gluon warp-specialized (opt-in, Config.bwd_kernel='gluon_ws'; not yet run on a GPU): a loader
+        # partition (LW warps) gathers each tile's rows into an S-stage ring, so the math warps issue no copies and
+        # wait on no entry loads.
+        BN: gl.constexpr = 128
+        dt: gl.constexpr = q_ptr.dtype.element_ty
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+        k_s, v_s, q_s, do_s, ds_s, e_s, lse_s, dl_s = _bwd_smem(dt, BM, D, S)
+        ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(S):
+            mbarrier.init(ready.index(b), count=1)
+            mbarrier.init(empty.index(b), count=1)
+        it, h, lo, hi, k0, d = _item_kv(order_ptr, key_ptr, lo_ptr, hi_ptr, kstart_ptr, k_ptr, v_ptr, k_s, v_s, T, NKB,
+                                        HKV, D, BN, gl.SliceLayout(1, ld), gl.SliceLayout(0, ld))
+        async_copy.wait_group(0)
+        gl.thread_barrier()  # every thread's K/V copies, before either partition starts
+        n_tiles = (hi - lo + TM - 1) // TM
+        gl.warp_specialize([
+            (_bwd_ws_math, (k_s, v_s, q_s, do_s, ds_s, e_s, lse_s, dl_s, ready, empty, dq_ptr, dks_ptr, dvs_ptr, it,
+                            lo, hi, k0, n_tiles, qk_scale, HKV, G, TOPK, TM, BM, D, num_warps)),
+            (_bwd_ws_load, (q_ptr, do_ptr, ent_ptr, lse_ptr, delta_ptr, q_s, do_s, e_s, lse_s, dl_s, ready, empty, lo,
+                            hi, h, n_tiles, HQ, HKV, G, TOPK, TM, BM, D, LW)),
+        ], [LW], [LREGS])

@@ -38,7 +38,8 @@ class Config:
     bwd_warps: int = 8
     bwd_stages: int = 2
     # "gluon": rl.model.msa_block_outer_gluon (Hopper, 128-key programs: MMAs overlapped with the softmax work),
-    # "triton": the Triton kernel (any device, the interpreter, 64-key programs); "auto": gluon where it runs
+    # "triton": the Triton kernel (any device, the interpreter, 64-key programs); "auto": gluon where it runs;
+    # "gluon_ws": the Gluon kernel warp-specialized (a loader partition gathers the rows; opt-in, not yet measured)
     bwd_kernel: str = "auto"
     fwd_kernel: str = "auto"  # the same choice for the forward kernel (Gluon: 64- or 128-row tiles, warps = rows/16)
     part_dtype: str = "bf16"  # storage of partial outputs / dQ partials: "bf16" or "fp32"
@@ -57,7 +58,7 @@ class Config:
 
     def __post_init__(self):
         choices = {"part_dtype": ("bf16", "fp32"), "dq": ("partial", "atomic"), "order": ("size", "token"),
-                   "bwd_kernel": ("auto", "gluon", "triton"),
+                   "bwd_kernel": ("auto", "gluon", "gluon_ws", "triton"),
                    "fwd_kernel": ("auto", "gluon", "triton")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

@@ -125,9 +125,11 @@ def test_gluon_kernels_resolve_per_device():
     q, k = torch.zeros(8, 4, 128, dtype=torch.bfloat16), torch.zeros(8, 2, 128, dtype=torch.bfloat16)
     resolved = mbo._kernels(q, k, mbo.Config())
     assert (resolved.fwd_kernel, resolved.bwd_kernel) == ("triton", "triton")
-    for name in ("fwd_kernel", "bwd_kernel"):
-        with pytest.raises(ValueError, match=f"Config.{name}='gluon' needs"):
-            mbo._kernels(q, k, mbo.Config(**{name: "gluon"}))
+    for name, value in (("fwd_kernel", "gluon"), ("bwd_kernel", "gluon"), ("bwd_kernel", "gluon_ws")):
+        with pytest.raises(ValueError, match=f"Config.{name}='{value}' needs"):
+            mbo._kernels(q, k, mbo.Config(**{name: value}))
+    with pytest.raises(ValueError, match="Config.fwd_kernel='gluon_ws'"):
+        mbo.Config(fwd_kernel="gluon_ws")
 
 
 def test_plan_groups_every_selection_once():
@@ -189,6 +191,8 @@ GPU_CASES = {  # id -> (lengths, init blocks, config overrides); {} = the defaul
     "gluon_forward_padding": ([1000, 3000, 96, 2100], 2, {"fwd_kernel": "gluon"}),  # -1 slots, forced init blocks
     "gluon_forward_32k": ([32768], 0, {"fwd_kernel": "gluon"}),
     "gluon_forward_128rows": ([5000, 700], 1, {"fwd_kernel": "gluon", "fwd_rows": 128}),
+    "gluon_ws_backward_padding": ([1000, 3000, 96, 2100], 2, {"bwd_kernel": "gluon_ws"}),  # -1 slots, forced init
+    "gluon_ws_backward_32k": ([32768], 0, {"bwd_kernel": "gluon_ws"}),
     "half_blocks_size_order": ([5000], 0, {"bwd_keys": 64, "bwd_warps": 4, "order": "size", "fwd_rows": 128,
                                            "fwd_warps": 8}),
 }

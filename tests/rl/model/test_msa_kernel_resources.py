@@ -22,5 +22,11 @@ def test_hopper_compile_report():
         assert gluon["stack_bytes"] == 0 and gluon["shared_bytes"] <= HOPPER_SHARED_BYTES, gluon
     # two forward programs per SM: their K/V blocks and double-buffered rows in half of the shared memory
     assert kernels["_fwd_gluon"]["shared_bytes"] <= HOPPER_SHARED_BYTES // 2, kernels["_fwd_gluon"]
-    for name in ("_fwd", "_fwd_gluon", "_bwd", "_bwd_gluon"):
+    for name in ("_fwd", "_fwd_gluon", "_bwd", "_bwd_gluon", "_bwd_gluon_ws"):
         assert not kernels[name]["wgmma_serialized"], kernels[name]
+    for name in ("_fwd_gluon", "_bwd_gluon"):
+        assert kernels[name]["mma_loop_spills"] == 0, kernels[name]
+    # the warp-specialized backward: its 4 loader warps hold 24 registers each (they spill outside the MMA loop) so
+    # the math warps get 240; their MMA loop reloads at most 2 spilled values per tile (msa_block_outer_gluon.WS_BWD)
+    ws = kernels["_bwd_gluon_ws"]
+    assert ws["shared_bytes"] <= HOPPER_SHARED_BYTES and ws["mma_loop_spills"] <= 2, ws
