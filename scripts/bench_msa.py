@@ -44,7 +44,10 @@ from rl.model import msa  # noqa: E402
 # per SM at 179 registers), 64-row tiles on 8 warps: run34 (88eb7ca). Merge / dQ sum with their slot loop unrolled
 # (tl.static_range) on 32-row tiles: merge 3.08 vs 2.48 ms, dQ sum 2.01 vs 2.14 at 32K (run35; 128-row tiles spill).
 SWEEP_FWD = [dict(), dict(fwd_kernel="triton"), dict(order="size")]
-SWEEP_BWD = [dict(), dict(fwd_kernel="triton"), dict(order="size"), dict(bwd_kernel="gluon_ws")]
+# Item sizes again with the Gluon kernels (last swept with the Triton ones, run12c): at 4K a single sequence has
+# ~128-256 items of 512 entries for 132 SMs.
+SWEEP_BWD = [dict(), dict(fwd_kernel="triton"), dict(order="size"), dict(bwd_kernel="gluon_ws"), dict(item_tokens=128),
+             dict(item_tokens=256)]
 
 
 def parse_args():
