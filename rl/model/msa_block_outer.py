@@ -253,7 +253,12 @@ def _kernels(q, k, config) -> Config:
     fits = {"fwd_kernel": (_fwd_gluon is not None and hopper and q.shape[2] == 128
                            and tile_shape(config.fwd_rows, g)[1] in (64, 128)),
             "bwd_kernel": (_bwd_gluon is not None and hopper and config.bwd_keys == BLOCK and config.dq == "partial")}
-    needs = {"fwd_kernel": "64- or 128-row tiles, head dim 128", "bwd_kernel": "bwd_keys=128, dq='partial'"}
+    if config.bwd_kernel == "gluon_ws":  # its loader copies half a tile at a time: whole tokens per half
+        tm, bm = tile_shape(config.bwd_rows, g)
+        fits["bwd_kernel"] = fits["bwd_kernel"] and tm * g == bm and tm % 2 == 0
+    needs = {"fwd_kernel": "64- or 128-row tiles, head dim 128",
+             "bwd_kernel": "bwd_keys=128, dq='partial'" + (", bwd_rows = an even number of tokens x G, a power of two"
+                                                           if config.bwd_kernel == "gluon_ws" else "")}
     for name, ok in fits.items():
         if getattr(config, name).startswith("gluon") and not ok:
             raise ValueError(f"Config.{name}={getattr(config, name)!r} needs Gluon, an sm_90 device, bf16/fp16, "

@@ -23,9 +23,9 @@ storing dQ straight from the MMA layout (uncoalesced), issuing dQ before dK.
 
 Backward, warp-specialized (`_bwd_gluon_ws`, opt-in: Config.bwd_kernel='gluon_ws'; compiled for sm_90, not yet run on a
 GPU): the same tile math in 8 warps while a 4-warp loader partition computes each tile's entry rows and gathers its
-q/dO rows and per-row values into a 2-stage ring (cp.async, completion on an mbarrier), so the math warps issue no
-copies and wait on no entry loads: its MMA loop is 666 SASS instructions per thread per tile against 821 (sm_90
-compile). The lead of issue 18 for the backward's remaining gap to its floor (12.0 vs 6.8 ms at 32K).
+q/dO rows and per-row values into a 2-stage ring (cp.async, half a tile at a time, completion on an mbarrier), so the
+math warps issue no copies and wait on no entry loads: its MMA loop is 662 SASS instructions per thread per tile
+against 821, no spills (sm_90 compile). The lead of issue 18 for the backward's remaining gap to its floor (12.0 vs 6.8 ms at 32K).
 
 Operands bf16, fp32 accumulation, P and dS rounded to bf16 before their MMAs, as in the Triton kernels: the same
 results up to accumulation order (the GPU tests hold both to the fp32 reference's bounds). Gluon has no interpreter:
@@ -48,8 +48,8 @@ except ImportError:  # CPU installs without Triton, or a Triton without Gluon
 
 
 # _bwd_gluon_ws's launch: 8 math warps + a 4-warp loader, one program per SM (64K registers over 12 warps: 168 each
-# at launch; the loader gives back all but 24, the math warps take 240). Compiled for sm_90: its MMA loop reloads 2
-# spilled values per tile and stores none (scripts/msa_kernel_resources.py).
+# at launch; the loader gives back all but 24, the math warps take 240). Compiled for sm_90: no spills
+# (scripts/msa_kernel_resources.py).
 WS_BWD = dict(S=2, LW=4, LREGS=24, num_warps=8, maxnreg=168)
 
 
@@ -318,12 +318,19 @@ if gluon is not None:
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [LW, 1], [1, 0])
         row_l: gl.constexpr = gl.SliceLayout(1, ld)
         d = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
+        # Half a tile at a time (fewer live addresses in the loader's 24 registers: no spills); a half is whole tokens
+        gl.static_assert(BM == TM * G and TM % 2 == 0, "_bwd_gluon_ws needs tiles of an even number of whole tokens")
+        HR: gl.constexpr = BM // 2
         for i in range(n_tiles):
             b = i % S
-            ok, slot, qrow = _entry_rows(ent_ptr, lo + i * TM, hi, h, HQ, HKV, G, TOPK, TM, BM, row_l)
             mbarrier.wait(empty.index(b), ((i // S) & 1) ^ 1)
-            _copy_tile(q_s.index(b), do_s.index(b), e_s.index(b), lse_s.index(b), dl_s.index(b), q_ptr, do_ptr,
-                       ent_ptr, lse_ptr, delta_ptr, ok, slot, qrow, d, D)
+            for half in gl.static_range(2):
+                ok, slot, qrow = _entry_rows(ent_ptr, lo + i * TM + half * (TM // 2), hi, h, HQ, HKV, G, TOPK,
+                                             TM // 2, HR, row_l)
+                _copy_tile(q_s.index(b).slice(half * HR, HR), do_s.index(b).slice(half * HR, HR),
+                           e_s.index(b).slice(half * HR, HR), lse_s.index(b).slice(half * HR, HR),
+                           dl_s.index(b).slice(half * HR, HR), q_ptr, do_ptr, ent_ptr, lse_ptr, delta_ptr, ok, slot,
+                           qrow, d, D)
             async_copy.mbarrier_arrive(ready.index(b))
             mbarrier.arrive(ready.index(b), count=1)
 

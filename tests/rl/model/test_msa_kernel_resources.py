@@ -24,9 +24,8 @@ def test_hopper_compile_report():
     assert kernels["_fwd_gluon"]["shared_bytes"] <= HOPPER_SHARED_BYTES // 2, kernels["_fwd_gluon"]
     for name in ("_fwd", "_fwd_gluon", "_bwd", "_bwd_gluon", "_bwd_gluon_ws"):
         assert not kernels[name]["wgmma_serialized"], kernels[name]
-    for name in ("_fwd_gluon", "_bwd_gluon"):
-        assert kernels[name]["mma_loop_spills"] == 0, kernels[name]
-    # the warp-specialized backward: its 4 loader warps hold 24 registers each (they spill outside the MMA loop) so
-    # the math warps get 240; their MMA loop reloads at most 2 spilled values per tile (msa_block_outer_gluon.WS_BWD)
+    # the warp-specialized backward: 4 loader warps at 24 registers each, so that the math warps get 240
     ws = kernels["_bwd_gluon_ws"]
-    assert ws["shared_bytes"] <= HOPPER_SHARED_BYTES and ws["mma_loop_spills"] <= 2, ws
+    assert ws["stack_bytes"] == 0 and ws["shared_bytes"] <= HOPPER_SHARED_BYTES, ws
+    for name in ("_fwd_gluon", "_bwd_gluon", "_bwd_gluon_ws"):  # and none inside the loops that issue the MMAs
+        assert kernels[name]["mma_loop_spills"] == 0, kernels[name]
