@@ -249,7 +249,7 @@ def main():
                       f"bf16 {base[direction]:8.3f} ms  x{base[direction] / ms:5.2f}  floor x{ms / floor_ms:5.2f}",
                       flush=True)
             del x, dy
-        gluon = gemm.gluon_available(packed)
+        gluon = gemm.gluon_dgrad_device(packed)
         auto = {d: total[f"{d}_dequant"] if t >= 2048 and moe._pick(None, m, E, d, gluon) == "dequant" else total[d]
                 for d in ("fwd", "dgrad")}
         res.setdefault("totals", []).append(dict(

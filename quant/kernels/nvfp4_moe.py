@@ -26,7 +26,7 @@ from quant import forms
 from quant._common import check_dtype
 from quant.kernels._triton import triton_available
 from quant.kernels.nvfp4_dequant import dequant_dgrad, dequant_fwd
-from quant.kernels.nvfp4_moe_gemm import DECODERS, DEFAULT_DECODER, gluon_available, launch_dgrad, launch_fwd
+from quant.kernels.nvfp4_moe_gemm import DECODERS, gluon_dgrad_device, launch_dgrad, launch_fwd
 
 __all__ = [
     "expert_offsets",
@@ -130,11 +130,6 @@ def _pick(impl, m, num_experts, direction, gluon=False):
     return "dequant" if m >= DEQUANT_MIN_ROWS[key] * num_experts else "kernel"
 
 
-def _gluon_dgrad(t, decoder) -> bool:
-    """Whether the kernel path's input gradient on ``t``'s device is the Gluon kernel (sm_90, the default decoder)."""
-    return (decoder or DEFAULT_DECODER) == DEFAULT_DECODER and gluon_available(t)
-
-
 def _host(gs, offsets):
     """The decode scales and offsets on the host, in one sync (offsets < 2^53: exact as doubles)."""
     vals = torch.cat([gs.double(), offsets.double()]).tolist()
@@ -150,7 +145,7 @@ class _NVFP4MoELinear(torch.autograd.Function):
         if _pick(impl, x.shape[0], packed.shape[0], "fwd") == "dequant":
             ctx.host = ctx.host or _host(gs, offsets)
             if keep_decoded and _pick(impl, x.shape[0], packed.shape[0], "dgrad",
-                                      _gluon_dgrad(x, decoder)) == "dequant":
+                                      gluon_dgrad_device(x, decoder)) == "dequant":
                 decoded = torch.empty(*packed.shape[:-1], packed.shape[-1] * 2, dtype=torch.bfloat16,
                                       device=packed.device)
             y = dequant_fwd(x, packed, scale, *ctx.host, into=decoded)
@@ -166,7 +161,7 @@ class _NVFP4MoELinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             g = grad.to(torch.bfloat16)
             if decoded is not None or _pick(ctx.impl, g.shape[0], packed.shape[0], "dgrad",
-                                            _gluon_dgrad(g, ctx.decoder)) == "dequant":
+                                            gluon_dgrad_device(g, ctx.decoder)) == "dequant":
                 gx = dequant_dgrad(g, packed, scale, *(ctx.host or _host(gs, offsets)), decoded=decoded)
             else:
                 gx = launch_dgrad(g, packed, scale, gs, offsets, decoder=ctx.decoder)

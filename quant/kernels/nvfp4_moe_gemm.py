@@ -269,11 +269,17 @@ def gluon_available(t) -> bool:
     return gluon_usable(t)
 
 
-def gluon_dgrad_default(dy, m: int, num_experts: int) -> bool:
+def gluon_dgrad_device(t, decoder=None) -> bool:
+    """Whether the input gradient's kernel path on ``t``'s device takes the Gluon kernel for large enough calls: an
+    sm_90 device with Gluon, and the default decoder (the Gluon kernel has only that one)."""
+    return (decoder or DEFAULT_DECODER) == DEFAULT_DECODER and gluon_available(t)
+
+
+def gluon_dgrad_default(dy, m: int, num_experts: int, decoder=None) -> bool:
     """Whether ``launch_dgrad`` without a config runs the Gluon kernel for these rows of ``dy`` (contiguous; its TMA
     needs 16-byte aligned rows)."""
     return (m > GLUON_DGRAD_MIN_ROWS * num_experts and dy.shape[-1] % 8 == 0 and dy.data_ptr() % 16 == 0
-            and gluon_available(dy))
+            and gluon_dgrad_device(dy, decoder))
 
 
 def _prep(packed, scale, decoder):
@@ -331,7 +337,7 @@ def launch_dgrad(dy, packed, scale, gs, offsets, out=None, config=None, decoder=
     m = dy.shape[0]
     decoder = decoder or DEFAULT_DECODER
     dy = dy.contiguous()
-    if config is None and decoder == DEFAULT_DECODER and gluon_dgrad_default(dy, m, e):
+    if config is None and gluon_dgrad_default(dy, m, e, decoder):
         config = GLUON_DGRAD_CONFIG
     cfg = dict(dgrad_config(m, e), **(config or {}))
     words, sbytes, kw = _prep(packed, scale, decoder)

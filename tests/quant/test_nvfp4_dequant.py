@@ -89,4 +89,4 @@ def test_path_picks_by_rows_per_expert_and_device():
     assert moe._pick("kernel", 10**9, e, "dgrad") == "kernel" and moe._pick("dequant", 1, e, "fwd") == "dequant"
     cpu = torch.zeros(4, 8, dtype=torch.bfloat16)
     assert not gemm.gluon_available(cpu) and not gemm.gluon_dgrad_default(cpu, 10**6, e)
-    assert not moe._gluon_dgrad(cpu, None) and not moe._gluon_dgrad(cpu, "triton")
+    assert not gemm.gluon_dgrad_device(cpu, None) and not gemm.gluon_dgrad_device(cpu, "triton")
