@@ -43,11 +43,14 @@ from rl.model import msa  # noqa: E402
 # 128-row Gluon forward tiles (10.9): run32. Merge / dQ sum / delta on 8 warps (merge 4.3 vs 2.5 ms at 32K: one program
 # per SM at 179 registers), 64-row tiles on 8 warps: run34 (88eb7ca). Merge / dQ sum with their slot loop unrolled
 # (tl.static_range) on 32-row tiles: merge 3.08 vs 2.48 ms, dQ sum 2.01 vs 2.14 at 32K (run35; 128-row tiles spill).
-SWEEP_FWD = [dict(), dict(fwd_kernel="triton"), dict(order="size")]
-# Item sizes again with the Gluon kernels (last swept with the Triton ones, run12c): at 4K a single sequence has
-# ~128-256 items of 512 entries for 132 SMs.
-SWEEP_BWD = [dict(), dict(fwd_kernel="triton"), dict(order="size"), dict(bwd_kernel="gluon_ws"), dict(item_tokens=128),
-             dict(item_tokens=256)]
+# Warp-specialized Gluon backward vs _bwd_gluon (24.06 vs 25.03 ms fwd+bwd at 32K), the Triton forward (25.74), size
+# order (26.29), 128- / 256-token items (26.14 / 27.21; at 4K 3.42 / 3.27 vs 3.43): run44. Its dQ stored by TMA vs
+# from registers (24.08 vs 24.43 ms at 32K, 47.45 vs 49.29 at 64K), 3 ring stages (24.25), _bwd_gluon (25.79): run45.
+# The warp-specialized forward (TMA loader, two math warpgroups on alternate tiles) vs _fwd_gluon: 8.44 vs 9.04 ms
+# fwd, 22.78 vs 23.56 fwd+bwd at 32K; 256-token items (24.96), the dense prefix through SDPA (25.60; 4.59 vs 3.33 at
+# 4K): run46. Now both defaults against the kernels they replaced:
+SWEEP_FWD = [dict(), dict(fwd_kernel="gluon")]
+SWEEP_BWD = [dict(), dict(fwd_kernel="gluon"), dict(fwd_kernel="gluon", bwd_kernel="gluon")]
 
 
 def parse_args():
@@ -244,7 +247,20 @@ def profile(total, args, device, dtype, gen):
         if ms > 0:
             rows.append({"kernel": e.key[:90], "ms": ms, "calls": e.count / 3})
     rows.sort(key=lambda r: -r["ms"])
-    return {"tokens": total, "kernels_ms_total": sum(r["ms"] for r in rows), "kernels": rows[:25]}
+    # The GPU's idle time inside the three calls: gaps between consecutive kernels (the largest, with their
+    # neighbours), and the span from the first kernel's start to the last one's end
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    gaps, end, before = [], spans[0][1] if spans else 0, spans[0][2] if spans else ""
+    for start, stop, name in spans[1:]:
+        if start > end:
+            gaps.append({"us": start - end, "after": before[:60], "before": name[:60]})
+        if stop >= end:
+            end, before = stop, name
+    gaps.sort(key=lambda g: -g["us"])
+    return {"tokens": total, "kernels_ms_total": sum(r["ms"] for r in rows), "kernels": rows[:25],
+            "span_ms": (end - spans[0][0]) / 1e3 / 3 if spans else None,
+            "idle_ms": sum(g["us"] for g in gaps) / 1e3 / 3, "largest_gaps": gaps[:8]}
 
 
 def table(report):
@@ -271,7 +287,9 @@ def table(report):
         lines.append(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in s.items()
                               if k not in ("min_ms", "max_ms")))
     for p in report.get("profile", []):
-        lines.append(f"profile {p['tokens']}: kernels {p['kernels_ms_total']:.2f} ms per fwd+bwd")
+        lines.append(f"profile {p['tokens']}: kernels {p['kernels_ms_total']:.2f} ms per fwd+bwd"
+                     + (f", span {p['span_ms']:.2f}, idle {p['idle_ms']:.2f}" if p.get("span_ms") else ""))
+        lines += [f"   gap {g['us']:8.1f} us after {g['after']} before {g['before']}" for g in p.get("largest_gaps", [])]
         lines += [f"  {r['ms']:7.3f} ms {r['calls']:5.1f}x {r['kernel']}" for r in p["kernels"][:12]]
     return "\n".join(lines)
 

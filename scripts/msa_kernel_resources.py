@@ -92,6 +92,7 @@ def mma_loop_spills(sass: str):
 def main():
     from rl.model import msa_block_outer as mbo
     from rl.model import msa_block_outer_gluon as mbog
+    from rl.model import msa_block_outer_gluon_ws as mbows
     from rl.model import msa_block_plan as mbp
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -113,6 +114,12 @@ def main():
     types = {**i32, **bf16, **f32, "ids_ptr": "*i64", "order_ptr": "*i64", "idx_ptr": "*i64", "qk_scale": "fp32",
              "scale": "fp32"}
     (ftm, fbm), (btm, bbm) = mbo.tile_shape(a.fwd_rows, g), mbo.tile_shape(a.bwd_rows, g)
+    from triton.experimental.gluon import language as gl
+
+    def desc(rows):  # the type of a TMA descriptor argument: bf16 boxes of `rows` x head-dim, NVMMA layout
+        return f"tensordesc<bf16[{rows}, {a.dim}],{gl.NVMMASharedLayout.get_default_for([rows, a.dim], gl.bfloat16)!r}>"
+
+    ws_fwd_desc = dict(q_desc=desc(g), k_desc=desc(128), v_desc=desc(128), o_desc=desc(g), o_tile_desc=desc(64))
     rows = [
         compile_report(mbp._plan_keys, types, dict(HKV=a.hkv, TOPK=a.topk, BE=1024), 4, 3),
         compile_report(mbp._plan_pos, types, dict(BE=1024), 4, 3),
@@ -123,11 +130,16 @@ def main():
         compile_report(mbog._fwd_gluon, types, dict(shapes, TM=ftm, BM=fbm), fbm // 16, 1),
         compile_report(mbo._bwd, types, dict(shapes, TM=btm, BM=bbm, BN=a.bwd_keys, PREC="tf32",
                                              DQ_ATOMIC=False), a.bwd_warps, a.bwd_stages),
+        compile_report(mbows._fwd_gluon_ws, dict(types, **ws_fwd_desc),
+                       dict({k: v for k, v in shapes.items() if k != "D"}, TM=64 // g, S=mbows.WS_FWD["S"]),
+                       mbows.WS_FWD["num_warps"], 1,
+                       maxnreg=mbows.WS_FWD["maxnreg"]),
         compile_report(mbog._bwd_gluon, types, dict(shapes, TM=btm, BM=bbm), 8, 1),
-        compile_report(mbog._bwd_gluon_ws, types,
-                       dict(shapes, TM=btm, BM=bbm, **{k: v for k, v in mbog.WS_BWD.items()
-                                                       if k not in ("num_warps", "maxnreg")}),
-                       mbog.WS_BWD["num_warps"], 1, maxnreg=mbog.WS_BWD["maxnreg"]),
+        *(compile_report(mbows._bwd_gluon_ws, dict(types, dq_desc=desc(g), dq_tile_desc=desc(bbm)),
+                         dict(shapes, TM=btm, BM=bbm, S=a.bwd_stages, DQ_TMA=dq_tma,
+                              **{k: v for k, v in mbows.WS_BWD.items() if k not in ("num_warps", "maxnreg")}),
+                         mbows.WS_BWD["num_warps"], 1, maxnreg=mbows.WS_BWD["maxnreg"]) | {"DQ_TMA": dq_tma}
+          for dq_tma in (True, False)),
         compile_report(mbo._merge, types, dict(shapes, R=a.row_tile, HAS_DENSE=False), 4, 3),
         compile_report(mbo._reduce_dq, types, dict(shapes, NH=128 // a.bwd_keys, R=a.row_tile), 4, 3),
     ]

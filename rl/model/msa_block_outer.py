@@ -25,12 +25,13 @@ On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1; tests onl
 The plan (`build_plan`) never waits for the device: the grid is a host-computed bound on the number of items, the
 tail of the item tables is empty rows, launched last, whose programs do no work.
 
-Measured on one H200 (results/gpu/run36, issue18_targets.json; 64 q / 4 KV heads, d 128, top-16, bf16): fwd 9.5 ms,
-fwd+bwd 24.7 ms at 32K tokens (per-token kernels 99 ms, dense causal SDPA 113 ms), 49.1 ms at 64K (SDPA 448 ms);
-faster than SDPA from 8K tokens (single sequence), 1.5x slower at 4K. On Hopper the forward and backward are the Gluon
-kernels of rl.model.msa_block_outer_gluon (5.8 and 12.0 ms at 32K; this file's Triton `_fwd` and `_bwd`, 6.9 and 14.7
-ms, run elsewhere and on Config.fwd_kernel / bwd_kernel='triton'); the merge and dQ sum 4.6 ms (at bandwidth: the cost
-of the partials), the plan 0.3 ms of GPU time.
+Measured on one H200 (results/gpu/run47, issue18_targets.json; 64 q / 4 KV heads, d 128, top-16, bf16): fwd 8.3 ms,
+fwd+bwd 23.3 ms at 32K tokens (22.3 per call back to back, as between a model's layers; per-token kernels 99 ms,
+dense causal SDPA 113 ms), 44.8 ms at 64K (SDPA 447 ms); faster than SDPA from 8K tokens (single sequence), 1.5x
+slower at 4K (1.18x back to back). On Hopper the forward and backward are the warp-specialized Gluon kernels of
+rl.model.msa_block_outer_gluon (5.0 and 10.4 ms at 32K; its unspecialized `_fwd_gluon` / `_bwd_gluon` and this file's
+Triton `_fwd` / `_bwd` run where their tiles do not fit, and on request, Config.fwd_kernel / bwd_kernel); the merge
+and dQ sum 4.6 ms (at bandwidth: the cost of the partials), the plan 0.3 ms of GPU time.
 """
 
 from __future__ import annotations
@@ -46,9 +47,11 @@ from rl.model.msa_block_plan import DEFAULT, Config, Plan, build_plan  # noqa: F
 from rl.model.packed import seq_bounds, sequence_group_spans
 
 try:
-    from rl.model.msa_block_outer_gluon import WS_BWD, _bwd_gluon, _bwd_gluon_ws, _fwd_gluon
+    from rl.model.msa_block_outer_gluon import _bwd_gluon, _fwd_gluon
+    from rl.model.msa_block_outer_gluon_ws import (WS_BWD, WS_FWD, _bwd_gluon_ws, _fwd_gluon_ws, dq_descriptors,
+                                                  fwd_ws_descriptors)
 except ImportError:  # no Triton or no Gluon
-    _bwd_gluon = _bwd_gluon_ws = _fwd_gluon = None
+    _bwd_gluon = _bwd_gluon_ws = _fwd_gluon = _fwd_gluon_ws = None
 
 try:  # module-level jit functions: Triton's interpreter resolves callees from module globals
     import triton
@@ -243,29 +246,42 @@ def tile_shape(rows: int, g: int) -> tuple[int, int]:
     return tm, max(16, 1 << (tm * g - 1).bit_length())
 
 
+def ws_fits(config: Config, g: int) -> dict:
+    """Where the warp-specialized Gluon kernels' tiles fit G query heads per KV head: 'fwd_kernel' (64-row tiles of
+    whole tokens, partials in the operand type), 'bwd_kernel' (tiles of an even number of whole tokens), 'dq_tma'
+    (the backward storing dQ by TMA). Their TMA boxes are one token's G rows of a 128-byte-swizzled tile, whose
+    swizzle repeats every 8 rows: G must be a multiple of 8 for them (the tiny test model's G=2 is not)."""
+    tm, bm = tile_shape(config.bwd_rows, g)
+    return {"fwd_kernel": tile_shape(config.fwd_rows, g) == (64 // g, 64) and g % 8 == 0
+            and config.part_dtype != "fp32",
+            "bwd_kernel": tm * g == bm and tm % 2 == 0,  # its loader copies half a tile at a time: whole tokens
+            "dq_tma": config.dq_store == "tma" and g % 8 == 0 and config.part_dtype != "fp32"}
+
+
 def _kernels(q, k, config) -> Config:
-    """Config.fwd_kernel / bwd_kernel resolved for these inputs: 'gluon' (Hopper wgmma) where it runs and was asked
-    for or 'auto' ('gluon_ws' where asked for), else 'triton'; a Gluon request that cannot run fails here, before any
-    work."""
+    """Config.fwd_kernel / bwd_kernel resolved for these inputs: on Hopper in bf16/fp16 what was asked for, 'auto'
+    being the warp-specialized Gluon kernel where its tiles fit (ws_fits, else 'gluon'); elsewhere 'triton'. A Gluon
+    request that cannot run fails here, before any work."""
     hopper = (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
               and torch.cuda.get_device_capability(q.device)[0] == 9)
     g = q.shape[1] // k.shape[1]
+    ws = ws_fits(config, g)
     fits = {"fwd_kernel": (_fwd_gluon is not None and hopper and q.shape[2] == 128
                            and tile_shape(config.fwd_rows, g)[1] in (64, 128)),
             "bwd_kernel": (_bwd_gluon is not None and hopper and config.bwd_keys == BLOCK and config.dq == "partial")}
-    if config.bwd_kernel == "gluon_ws":  # its loader copies half a tile at a time: whole tokens per half
-        tm, bm = tile_shape(config.bwd_rows, g)
-        fits["bwd_kernel"] = fits["bwd_kernel"] and tm * g == bm and tm % 2 == 0
-    needs = {"fwd_kernel": "64- or 128-row tiles, head dim 128",
-             "bwd_kernel": "bwd_keys=128, dq='partial'" + (", bwd_rows = an even number of tokens x G, a power of two"
-                                                           if config.bwd_kernel == "gluon_ws" else "")}
+    needs = {"fwd_kernel": "64- or 128-row tiles, head dim 128", "bwd_kernel": "bwd_keys=128, dq='partial'"}
+    for name in fits:
+        if getattr(config, name) == "gluon_ws":
+            fits[name] = fits[name] and ws[name]
+            needs[name] += ", tiles that fit (msa_block_outer.ws_fits)"
     for name, ok in fits.items():
         if getattr(config, name).startswith("gluon") and not ok:
             raise ValueError(f"Config.{name}={getattr(config, name)!r} needs Gluon, an sm_90 device, bf16/fp16, "
                              f"{needs[name]}")
+    auto = {name: "gluon_ws" if ws[name] else "gluon" for name in fits}
     asked = {name: getattr(config, name) for name in fits}
-    return dataclasses.replace(config, **{name: ("gluon" if asked[name] == "auto" else asked[name]) if ok else "triton"
-                                          for name, ok in fits.items()})
+    return dataclasses.replace(config, **{name: (auto[name] if asked[name] == "auto" else asked[name]) if ok
+                                          else "triton" for name, ok in fits.items()})
 
 
 def _part_dtype(q, config):
@@ -285,7 +301,10 @@ def _forward(q, k, v, dense_out, plan: Plan, scale: float, config: Config, o, ls
     tm, bm = tile_shape(config.fwd_rows, g)
     tables = (plan.entries, plan.order, plan.item_key, plan.item_lo, plan.item_hi, plan.kstart, t_count, plan.nkb,
               qk_scale)
-    if plan.n_max and config.fwd_kernel == "gluon":  # resolved by sparse_attention
+    if plan.n_max and config.fwd_kernel == "gluon_ws":  # resolved by sparse_attention
+        _fwd_gluon_ws[(plan.n_max,)](*fwd_ws_descriptors(q, k, v, opart, g, bm), lpart, *tables[:6], plan.nkb, qk_scale,
+                                     HQ=hq, HKV=hkv, G=g, TOPK=topk, TM=tm, **WS_FWD)
+    elif plan.n_max and config.fwd_kernel == "gluon":
         _fwd_gluon[(plan.n_max,)](q, k, v, opart, lpart, *tables, HQ=hq, HKV=hkv, G=g, TOPK=topk, TM=tm, BM=bm, D=dim,
                                   num_warps=bm // 16)
     elif plan.n_max:
@@ -320,9 +339,12 @@ def _backward(q, k, v, o, lse, do, plan: Plan, scale: float, config: Config, dq,
     dvs = torch.empty_like(dks)
     qk_scale = scale * math.log2(math.e)
     if ni and config.bwd_kernel == "gluon_ws":  # resolved by sparse_attention
-        _bwd_gluon_ws[(ni,)](q, k, v, do, lse, delta, dq_buf, dks, dvs, plan.entries, plan.order, plan.item_key,
-                             plan.item_lo, plan.item_hi, plan.kstart, t_count, plan.nkb, qk_scale,
-                             HQ=hq, HKV=hkv, G=g, TOPK=topk, TM=tm, BM=bm, D=dim, **WS_BWD)
+        dq_tma = ws_fits(config, g)["dq_tma"]
+        descs = dq_descriptors(dq_buf, g, bm) if dq_tma else (None, None)
+        _bwd_gluon_ws[(ni,)](q, k, v, do, lse, delta, dq_buf, *descs, dks, dvs, plan.entries, plan.order,
+                             plan.item_key, plan.item_lo, plan.item_hi, plan.kstart, t_count, plan.nkb, qk_scale,
+                             HQ=hq, HKV=hkv, G=g, TOPK=topk, TM=tm, BM=bm, D=dim, S=config.bwd_stages,
+                             DQ_TMA=dq_tma, **WS_BWD)
     elif ni and config.bwd_kernel == "gluon":
         _bwd_gluon[(ni,)](q, k, v, do, lse, delta, dq_buf, dks, dvs, plan.entries, plan.order, plan.item_key,
                           plan.item_lo, plan.item_hi, plan.kstart, t_count, plan.nkb, qk_scale,

@@ -21,15 +21,10 @@ was 46%); 12.0 ms with dS from shared memory (run35: 12.68 ms beside it). Tried 
 while the next tile's MMAs run (ptxas then serializes the MMAs: an accumulator is read inside the MMA pipeline),
 storing dQ straight from the MMA layout (uncoalesced), issuing dQ before dK.
 
-Backward, warp-specialized (`_bwd_gluon_ws`, opt-in: Config.bwd_kernel='gluon_ws'; compiled for sm_90, not yet run on a
-GPU): the same tile math in 8 warps while a 4-warp loader partition computes each tile's entry rows and gathers its
-q/dO rows and per-row values into a 2-stage ring (cp.async, half a tile at a time, completion on an mbarrier), so the
-math warps issue no copies and wait on no entry loads: its MMA loop is 662 SASS instructions per thread per tile
-against 821, no spills (sm_90 compile). The lead of issue 18 for the backward's remaining gap to its floor (12.0 vs 6.8 ms at 32K).
-
 Operands bf16, fp32 accumulation, P and dS rounded to bf16 before their MMAs, as in the Triton kernels: the same
 results up to accumulation order (the GPU tests hold both to the fp32 reference's bounds). Gluon has no interpreter:
-the kernels run on sm_90 only (wgmma is Hopper's; msa_block_outer picks the Triton kernels elsewhere). The GPU tests
+the kernels run on sm_90 only (wgmma is Hopper's; msa_block_outer picks the Triton kernels elsewhere). Their
+warp-specialized forms, the default where their tiles fit, are in rl.model.msa_block_outer_gluon_ws. The GPU tests
 (tests/rl/model/test_msa_block_outer.py -m gpu) check their results; make test compiles them for sm_90 on the CPU
 (tests/rl/model/test_msa_kernel_resources.py: no spills, fits, wgmma not serialized).
 """
@@ -40,17 +35,11 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
                                                                    warpgroup_mma_wait)
 except ImportError:  # CPU installs without Triton, or a Triton without Gluon
     gluon = None
-    _bwd_gluon = _bwd_gluon_ws = _fwd_gluon = None
-
-
-# _bwd_gluon_ws's launch: 8 math warps + a 4-warp loader, one program per SM (64K registers over 12 warps: 168 each
-# at launch; the loader gives back all but 24, the math warps take 240). Compiled for sm_90: no spills
-# (scripts/msa_kernel_resources.py).
-WS_BWD = dict(S=2, LW=4, LREGS=24, num_warps=8, maxnreg=168)
+    _bwd_gluon = _fwd_gluon = None
 
 
 if gluon is not None:
@@ -306,86 +295,3 @@ if gluon is not None:
             _store_dq(dq, dq_ptr, base, hi, G, TM, BM, D, ld)
         async_copy.wait_group(0)
         _store_dkdv(dk, dv, dks_ptr, dvs_ptr, it, BN, D, kv_l)
-
-    @gluon.jit
-    def _bwd_ws_load(q_ptr, do_ptr, ent_ptr, lse_ptr, delta_ptr, q_s, do_s, e_s, lse_s, dl_s, ready, empty, lo, hi, h,
-                     n_tiles, HQ: gl.constexpr, HKV: gl.constexpr, G: gl.constexpr, TOPK: gl.constexpr,
-                     TM: gl.constexpr, BM: gl.constexpr, D: gl.constexpr, LW: gl.constexpr):
-        # Loader partition of _bwd_gluon_ws: tile i's entry ids, then its gathered q/dO rows and per-row values into
-        # ring stage i % S by cp.async; the stage's `ready` completes when every thread's copies have landed (their
-        # cp.async arrivals) and this partition has arrived once.
-        S: gl.constexpr = q_s.type.shape[0]
-        ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [LW, 1], [1, 0])
-        row_l: gl.constexpr = gl.SliceLayout(1, ld)
-        d = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
-        # Half a tile at a time (fewer live addresses in the loader's 24 registers: no spills); a half is whole tokens
-        gl.static_assert(BM == TM * G and TM % 2 == 0, "_bwd_gluon_ws needs tiles of an even number of whole tokens")
-        HR: gl.constexpr = BM // 2
-        for i in range(n_tiles):
-            b = i % S
-            mbarrier.wait(empty.index(b), ((i // S) & 1) ^ 1)
-            for half in gl.static_range(2):
-                ok, slot, qrow = _entry_rows(ent_ptr, lo + i * TM + half * (TM // 2), hi, h, HQ, HKV, G, TOPK,
-                                             TM // 2, HR, row_l)
-                _copy_tile(q_s.index(b).slice(half * HR, HR), do_s.index(b).slice(half * HR, HR),
-                           e_s.index(b).slice(half * HR, HR), lse_s.index(b).slice(half * HR, HR),
-                           dl_s.index(b).slice(half * HR, HR), q_ptr, do_ptr, ent_ptr, lse_ptr, delta_ptr, ok, slot,
-                           qrow, d, D)
-            async_copy.mbarrier_arrive(ready.index(b))
-            mbarrier.arrive(ready.index(b), count=1)
-
-    @gluon.jit
-    def _bwd_ws_math(k_s, v_s, q_s, do_s, ds_s, e_s, lse_s, dl_s, ready, empty, dq_ptr, dks_ptr, dvs_ptr, it, lo, hi,
-                     k0, n_tiles, qk_scale, HKV: gl.constexpr, G: gl.constexpr, TOPK: gl.constexpr, TM: gl.constexpr,
-                     BM: gl.constexpr, D: gl.constexpr, num_warps: gl.constexpr):
-        # The math partition of _bwd_gluon_ws: _bwd_gluon's tile loop without its copies and entry loads.
-        BN: gl.constexpr = 128
-        S: gl.constexpr = q_s.type.shape[0]
-        ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
-        s_l: gl.constexpr = _bwd_layouts(BM, D, num_warps)[0]
-        kv_l: gl.constexpr = _bwd_layouts(BM, D, num_warps)[1]
-        a_kv: gl.constexpr = _bwd_layouts(BM, D, num_warps)[3]
-        s_kidx, s_r, zero_s, zero_dq, dk, dv = _bwd_init(k0, BM, D, num_warps)
-        for i in range(n_tiles):
-            base = lo + i * TM
-            b = i % S
-            mbarrier.wait(ready.index(b), (i // S) & 1)
-            fence_async_shared()  # the cp.async writes before the MMAs' reads
-            qb = q_s.index(b)
-            dob = do_s.index(b)
-            st = warpgroup_mma(k_s, qb.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            dpt = warpgroup_mma(v_s, dob.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            dq, dk, dv = _bwd_tile(st, dpt, qb, dob, e_s.index(b), lse_s.index(b), dl_s.index(b), k_s, ds_s, dk, dv,
-                                   s_kidx, s_r, base, hi, qk_scale, zero_dq, HKV, G, TOPK, TM, s_l, a_kv)
-            mbarrier.arrive(empty.index(b), count=1)  # the stage's rows are read: the loader may refill it
-            _store_dq(dq, dq_ptr, base, hi, G, TM, BM, D, ld)
-        _store_dkdv(dk, dv, dks_ptr, dvs_ptr, it, BN, D, kv_l)
-
-    @gluon.jit
-    def _bwd_gluon_ws(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dks_ptr, dvs_ptr, ent_ptr, order_ptr,
-                      key_ptr, lo_ptr, hi_ptr, kstart_ptr, T, NKB, qk_scale, HQ: gl.constexpr, HKV: gl.constexpr,
-                      G: gl.constexpr, TOPK: gl.constexpr, TM: gl.constexpr, BM: gl.constexpr, D: gl.constexpr,
-                      S: gl.constexpr, LW: gl.constexpr, LREGS: gl.constexpr, num_warps: gl.constexpr):
-        # _bwd_gluon warp-specialized (opt-in, Config.bwd_kernel='gluon_ws'; not yet run on a GPU): a loader
-        # partition (LW warps) gathers each tile's rows into an S-stage ring, so the math warps issue no copies and
-        # wait on no entry loads.
-        BN: gl.constexpr = 128
-        dt: gl.constexpr = q_ptr.dtype.element_ty
-        ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
-        k_s, v_s, q_s, do_s, ds_s, e_s, lse_s, dl_s = _bwd_smem(dt, BM, D, S)
-        ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-        for b in gl.static_range(S):
-            mbarrier.init(ready.index(b), count=1)
-            mbarrier.init(empty.index(b), count=1)
-        it, h, lo, hi, k0, d = _item_kv(order_ptr, key_ptr, lo_ptr, hi_ptr, kstart_ptr, k_ptr, v_ptr, k_s, v_s, T, NKB,
-                                        HKV, D, BN, gl.SliceLayout(1, ld), gl.SliceLayout(0, ld))
-        async_copy.wait_group(0)
-        gl.thread_barrier()  # every thread's K/V copies, before either partition starts
-        n_tiles = (hi - lo + TM - 1) // TM
-        gl.warp_specialize([
-            (_bwd_ws_math, (k_s, v_s, q_s, do_s, ds_s, e_s, lse_s, dl_s, ready, empty, dq_ptr, dks_ptr, dvs_ptr, it,
-                            lo, hi, k0, n_tiles, qk_scale, HKV, G, TOPK, TM, BM, D, num_warps)),
-            (_bwd_ws_load, (q_ptr, do_ptr, ent_ptr, lse_ptr, delta_ptr, q_s, do_s, e_s, lse_s, dl_s, ready, empty, lo,
-                            hi, h, n_tiles, HQ, HKV, G, TOPK, TM, BM, D, LW)),
-        ], [LW], [LREGS])

@@ -36,14 +36,21 @@ class Config:
     bwd_rows: int = 64
     bwd_keys: int = 128  # keys per backward program (64: two programs per item, half the dK/dV registers)
     bwd_warps: int = 8
-    bwd_stages: int = 2
+    bwd_stages: int = 2  # Triton's num_stages; gluon_ws: stages of its ring of gathered rows
     # "gluon": rl.model.msa_block_outer_gluon (Hopper, 128-key programs: MMAs overlapped with the softmax work),
-    # "triton": the Triton kernel (any device, the interpreter, 64-key programs); "auto": gluon where it runs;
-    # "gluon_ws": the Gluon kernel warp-specialized (a loader partition gathers the rows; opt-in, not yet measured)
+    # "gluon_ws": the Gluon kernel warp-specialized (a loader partition gathers the rows; run44: 24.1 vs 25.0 ms
+    # fwd+bwd at 32K), "triton": the Triton kernel (any device, the interpreter, 64-key programs); "auto": gluon_ws
+    # where it runs (bwd_rows whole tokens, an even number), else gluon, else triton
     bwd_kernel: str = "auto"
-    fwd_kernel: str = "auto"  # the same choice for the forward kernel (Gluon: 64- or 128-row tiles, warps = rows/16)
+    # the same choice for the forward kernel ("gluon": 64- or 128-row tiles, warps = rows/16; "gluon_ws": a TMA loader
+    # warp and two math warpgroups on alternate 64-row tiles of whole tokens, run46: 8.44 vs 9.04 ms fwd at 32K;
+    # "auto": gluon_ws where its tiles fit, else gluon, else triton)
+    fwd_kernel: str = "auto"
     part_dtype: str = "bf16"  # storage of partial outputs / dQ partials: "bf16" or "fp32"
     dq: str = "partial"  # "partial" (per-entry partials, then a sum) or "atomic" (fp32 atomic adds)
+    # gluon_ws: dQ partials leave "tma" (through shared memory, one TMA store per token, under the next tile) or
+    # "registers" (stored from the math warps, as _bwd_gluon does)
+    dq_store: str = "tma"
     item_tokens: int = 512  # entries per work item
     # Prefix tokens per sequence from which SDPA takes the dense prefix; 0 = never. Off: the kernels take those
     # tokens for less than SDPA plus gathering them (run12 sweep: 33.6 vs 34.9 ms at 32K, 5.1 vs 5.5 ms at 4K).
@@ -59,7 +66,7 @@ class Config:
     def __post_init__(self):
         choices = {"part_dtype": ("bf16", "fp32"), "dq": ("partial", "atomic"), "order": ("size", "token"),
                    "bwd_kernel": ("auto", "gluon", "gluon_ws", "triton"),
-                   "fwd_kernel": ("auto", "gluon", "triton")}
+                   "fwd_kernel": ("auto", "gluon", "gluon_ws", "triton"), "dq_store": ("tma", "registers")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"msa_block_outer Config.{name}={getattr(self, name)!r}: expected one of {allowed}")

@@ -16,6 +16,9 @@
 #                         SwiGLU and add-norm backward kernels (test_swiglu_triton.py, test_lean_triton.py)
 #   block_tests           pytest -m gpu: the block-outer MSA kernels alone (tests/rl/model/test_msa_block_outer.py)
 #   msa_tests             pytest -m gpu: the MSA kernels (block-outer, per-token, flex) and the trainer fast-paths test
+#   ncu_msa[:LEN]         Nsight Compute (--set full, clocks left alone) on the Gluon MSA forward and backward of one
+#                         fwd+bwd at LEN tokens (default 32768): the report and its details and per-SASS-instruction
+#                         pages as text, in $OUT/ncu.tgz
 #   bench_msa[:ARGS]      scripts/bench_msa.py (4K-64K, 1 and 4 sequences, vs dense SDPA) with extra ARGS, '+' for
 #                         spaces (e.g. bench_msa:--compare+triton+--sweep+32768); JSON to $OUT/bench_msa.json
 # The device tool returns at most 8 files: logs go into logs.tgz, and the JSON results into results.tgz when
@@ -50,8 +53,18 @@ for step in "$@"; do
     block_tests)
       run block_tests "$(lim 200)" $P tests/rl/model/test_msa_block_outer.py ;;
     msa_tests)
-      M3RL_GPU_REPORT="$OUT/trainer_gpu.json" run msa_tests "$(lim 300)" $P -s tests/rl/model/test_msa_block_outer.py \
+      M3RL_GPU_REPORT="$OUT/trainer_gpu.json" run msa_tests "$(lim 380)" $P -s tests/rl/model/test_msa_block_outer.py \
           tests/rl/model/test_msa_triton.py tests/rl/model/test_msa.py tests/rl/model/test_trainer_gpu.py ;;
+    ncu_msa|ncu_msa:*)
+      len=${step#ncu_msa}; len=${len#:}; len=${len:-32768}
+      run ncu_msa "$(lim 240)" ncu --clock-control none --set full --import-source no -k 'regex:_(fwd|bwd)_gluon' \
+          -c 3 -f -o "$OUT/ncu_msa" python3 scripts/bench_msa.py --lengths "$len" --packed 1 --warmup 0 --repeats 1 \
+          --no-sdpa
+      ncu -i "$OUT/ncu_msa.ncu-rep" --page details > "$OUT/ncu_msa_details.txt" 2>&1
+      ncu -i "$OUT/ncu_msa.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_msa_sass.txt" 2>&1
+      grep -E "^  [_a-z]|Duration|Throughput|Executed Ipc A|Issue Slots Busy|No Eligible|Warp Cycles Per Issued" \
+          "$OUT/ncu_msa_details.txt" | head -n 60
+      (cd "$OUT" && tar czf ncu.tgz ncu_msa.ncu-rep ncu_msa_*.txt && rm -f ncu_msa.ncu-rep ncu_msa_*.txt) ;;
     bench_msa|bench_msa:*)
       extra=${step#bench_msa}; extra=${extra#:}
       run bench_msa "$(lim 420)" python3 scripts/bench_msa.py ${extra//+/ } --out "$OUT/bench_msa.json" ;;

@@ -22,10 +22,13 @@ def test_hopper_compile_report():
         assert gluon["stack_bytes"] == 0 and gluon["shared_bytes"] <= HOPPER_SHARED_BYTES, gluon
     # two forward programs per SM: their K/V blocks and double-buffered rows in half of the shared memory
     assert kernels["_fwd_gluon"]["shared_bytes"] <= HOPPER_SHARED_BYTES // 2, kernels["_fwd_gluon"]
-    for name in ("_fwd", "_fwd_gluon", "_bwd", "_bwd_gluon", "_bwd_gluon_ws"):
-        assert not kernels[name]["wgmma_serialized"], kernels[name]
-    # the warp-specialized backward: 4 loader warps at 24 registers each, so that the math warps get 240
-    ws = kernels["_bwd_gluon_ws"]
-    assert ws["stack_bytes"] == 0 and ws["shared_bytes"] <= HOPPER_SHARED_BYTES, ws
-    for name in ("_fwd_gluon", "_bwd_gluon", "_bwd_gluon_ws"):  # and none inside the loops that issue the MMAs
-        assert kernels[name]["mma_loop_spills"] == 0, kernels[name]
+    # the warp-specialized backward (the default), dQ stored by TMA and from registers: 4 loader warps at 24
+    # registers each, so that the math warps get 240
+    ws = [k for k in report["kernels"] if k["kernel"] == "_bwd_gluon_ws"]
+    assert sorted(k["DQ_TMA"] for k in ws) == [False, True], ws
+    for k in ws:
+        assert k["stack_bytes"] == 0 and k["shared_bytes"] <= HOPPER_SHARED_BYTES, k
+    for k in [kernels[name] for name in ("_fwd", "_fwd_gluon", "_bwd", "_bwd_gluon")] + ws:
+        assert not k["wgmma_serialized"], k
+    for k in [kernels["_fwd_gluon"], kernels["_bwd_gluon"]] + ws:  # and none inside the loops that issue the MMAs
+        assert k["mma_loop_spills"] == 0, k
