@@ -54,15 +54,20 @@ if gluon is not None:
         return ok, slot, e // (HKV * TOPK) * HQ + h * G + r % G
 
     @gluon.jit
-    def _item_kv(order_ptr, key_ptr, lo_ptr, hi_ptr, kstart_ptr, k_ptr, v_ptr, k_s, v_s, T, NKB, HKV: gl.constexpr,
-                 D: gl.constexpr, BN: gl.constexpr, row_l: gl.constexpr, col_l: gl.constexpr):
-        # The launched item (its KV head, entry range and first key) and one commit group copying its K/V block.
+    def _item(order_ptr, key_ptr, lo_ptr, hi_ptr, kstart_ptr, NKB):
+        # The launched item: its row of the item tables, KV head, entry range [lo, hi) and first key.
         it = gl.load(order_ptr + gl.program_id(0)).to(gl.int32)
         key = gl.load(key_ptr + it)
         lo = gl.load(lo_ptr + it)
         hi = gl.load(hi_ptr + it)
         h = key // NKB
-        k0 = gl.load(kstart_ptr + key - h * NKB)
+        return it, h, lo, hi, gl.load(kstart_ptr + key - h * NKB)
+
+    @gluon.jit
+    def _item_kv(order_ptr, key_ptr, lo_ptr, hi_ptr, kstart_ptr, k_ptr, v_ptr, k_s, v_s, T, NKB, HKV: gl.constexpr,
+                 D: gl.constexpr, BN: gl.constexpr, row_l: gl.constexpr, col_l: gl.constexpr):
+        # The launched item and one commit group copying its K/V block.
+        it, h, lo, hi, k0 = _item(order_ptr, key_ptr, lo_ptr, hi_ptr, kstart_ptr, NKB)
         d = gl.arange(0, D, layout=col_l)
         kidx = k0 + gl.arange(0, BN, layout=row_l)
         kv_rows = (kidx[:, None] * HKV + h) * D + d[None, :]

@@ -34,7 +34,7 @@ if gluon is not None:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from rl.model.msa_block_outer_gluon import (_bwd_init, _bwd_layouts, _bwd_smem, _bwd_tile, _copy_tile,
-                                                _entry_rows, _item_kv, _store_dkdv, _store_dq)
+                                                _entry_rows, _item, _item_kv, _store_dkdv, _store_dq)
 else:
     _bwd_gluon_ws = _fwd_gluon_ws = None
 
@@ -73,6 +73,20 @@ def fwd_ws_descriptors(q, k, v, opart, g: int, rows: int):
 
 
 if gluon is not None:
+    @gluon.jit
+    def _store_rows(x, x_s, desc, tile_desc, base, hi, G: gl.constexpr, TM: gl.constexpr):
+        # A tile's rows (partial output or dQ) through shared memory and TMA: the copy to global memory runs while
+        # the next tile computes. A whole tile is one store; an item's last tile one store per token inside the item.
+        tma.store_wait(0)  # the previous tile's stores have read x_s
+        x_s.store(x.to(x_s.dtype))
+        fence_async_shared()
+        if base + TM <= hi:
+            tma.async_copy_shared_to_global(tile_desc, [base * G, 0], x_s)
+        else:
+            for j in gl.static_range(TM):
+                if base + j < hi:
+                    tma.async_copy_shared_to_global(desc, [(base + j) * G, 0], x_s.slice(j * G, G))
+
     @gluon.jit
     def _fwd_ws_load(q_desc, k_desc, v_desc, ent_ptr, k_s, v_s, q_s, kv_bar, ready, empty, lo, hi, h, k0, n_tiles,
                      HQ: gl.constexpr, HKV: gl.constexpr, G: gl.constexpr, TOPK: gl.constexpr, TM: gl.constexpr):
@@ -140,23 +154,14 @@ if gluon is not None:
             o = warpgroup_mma_wait(0, deps=(o, ))
             l_o = gl.convert_layout(l, gl.SliceLayout(1, o_l))
             o = o / gl.where(l_o > 0, l_o, 1.0)[:, None]
-            tma.store_wait(0)  # the previous tile's stores have read o_s
-            o_s.store(o.to(dt))
-            fence_async_shared()
-            if base + TM <= hi:  # a whole tile (all but an item's last): one store
-                tma.async_copy_shared_to_global(o_tile_desc, [base * G, 0], o_s)
-            else:
-                for j in gl.static_range(TM):
-                    if base + j < hi:
-                        tma.async_copy_shared_to_global(o_desc, [(base + j) * G, 0], o_s.slice(j * G, G))
+            _store_rows(o, o_s, o_desc, o_tile_desc, base, hi, G, TM)
             c_tok = n_tok
             c_ok = n_ok
         tma.store_wait(0)
 
     @gluon.jit
     def _fwd_gluon_ws(q_desc, k_desc, v_desc, o_desc, o_tile_desc, lpart_ptr, ent_ptr, order_ptr, key_ptr, lo_ptr,
-                      hi_ptr,
-                      kstart_ptr, NKB, qk_scale, HQ: gl.constexpr, HKV: gl.constexpr, G: gl.constexpr,
+                      hi_ptr, kstart_ptr, NKB, qk_scale, HQ: gl.constexpr, HKV: gl.constexpr, G: gl.constexpr,
                       TOPK: gl.constexpr, TM: gl.constexpr, S: gl.constexpr, num_warps: gl.constexpr):
         # The forward warp-specialized: a loader warp moves K/V and the gathered q rows by TMA into an S-stage
         # ring; two math warpgroups (the default partition and a worker) take alternate tiles. One program per SM
@@ -164,12 +169,7 @@ if gluon is not None:
         BM: gl.constexpr = TM * G
         dt: gl.constexpr = q_desc.dtype
         D: gl.constexpr = q_desc.block_type.shape[1]
-        it = gl.load(order_ptr + gl.program_id(0)).to(gl.int32)
-        key = gl.load(key_ptr + it)
-        lo = gl.load(lo_ptr + it)
-        hi = gl.load(hi_ptr + it)
-        h = key // NKB
-        k0 = gl.load(kstart_ptr + key - h * NKB)
+        it, h, lo, hi, k0 = _item(order_ptr, key_ptr, lo_ptr, hi_ptr, kstart_ptr, NKB)
         n_tiles = (hi - lo + TM - 1) // TM
         k_s = gl.allocate_shared_memory(dt, [128, D], k_desc.layout)
         v_s = gl.allocate_shared_memory(dt, [128, D], v_desc.layout)
@@ -246,17 +246,7 @@ if gluon is not None:
                                    s_kidx, s_r, base, hi, qk_scale, zero_dq, HKV, G, TOPK, TM, s_l, a_kv)
             mbarrier.arrive(empty.index(b), count=1)  # the stage's rows are read: the loader may refill it
             if DQ_TMA:
-                # dQ through shared memory and one TMA store per token (G rows): the copy to global memory runs
-                # while the next tile computes; only the item's tokens are stored.
-                tma.store_wait(0)  # the previous tile's stores have read dq_s
-                dq_s.store(dq.to(dq_s.dtype))
-                fence_async_shared()
-                if base + TM <= hi:  # a whole tile (all but an item's last): one store
-                    tma.async_copy_shared_to_global(dq_tile_desc, [base * G, 0], dq_s)
-                else:
-                    for j in gl.static_range(TM):
-                        if base + j < hi:
-                            tma.async_copy_shared_to_global(dq_desc, [(base + j) * G, 0], dq_s.slice(j * G, G))
+                _store_rows(dq, dq_s, dq_desc, dq_tile_desc, base, hi, G, TM)
             else:
                 _store_dq(dq, dq_ptr, base, hi, G, TM, BM, D, ld)
         if DQ_TMA:
