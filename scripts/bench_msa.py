@@ -48,7 +48,8 @@ from rl.model import msa  # noqa: E402
 # from registers (24.08 vs 24.43 ms at 32K, 47.45 vs 49.29 at 64K), 3 ring stages (24.25), _bwd_gluon (25.79): run45.
 # The warp-specialized forward (TMA loader, two math warpgroups on alternate tiles) vs _fwd_gluon: 8.44 vs 9.04 ms
 # fwd, 22.78 vs 23.56 fwd+bwd at 32K; 256-token items (24.96), the dense prefix through SDPA (25.60; 4.59 vs 3.33 at
-# 4K): run46. Now both defaults against the kernels they replaced:
+# 4K): run46. Both defaults against the kernels they replaced (run47): fwd+bwd 22.44 vs 23.40 (_fwd_gluon) vs 24.39
+# (_fwd_gluon and _bwd_gluon) ms at 32K, 44.61 / 48.96 / 48.97 at 64K, 3.18 / 3.18 / 3.35 at 4K.
 SWEEP_FWD = [dict(), dict(fwd_kernel="gluon")]
 SWEEP_BWD = [dict(), dict(fwd_kernel="gluon"), dict(fwd_kernel="gluon", bwd_kernel="gluon")]
 

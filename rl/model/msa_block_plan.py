@@ -40,16 +40,16 @@ class Config:
     # "gluon": rl.model.msa_block_outer_gluon (Hopper, 128-key programs: MMAs overlapped with the softmax work),
     # "gluon_ws": the Gluon kernel warp-specialized (a loader partition gathers the rows; run44: 24.1 vs 25.0 ms
     # fwd+bwd at 32K), "triton": the Triton kernel (any device, the interpreter, 64-key programs); "auto": gluon_ws
-    # where it runs (bwd_rows whole tokens, an even number), else gluon, else triton
+    # where its tiles fit (msa_block_outer.ws_fits), else gluon, else triton
     bwd_kernel: str = "auto"
     # the same choice for the forward kernel ("gluon": 64- or 128-row tiles, warps = rows/16; "gluon_ws": a TMA loader
     # warp and two math warpgroups on alternate 64-row tiles of whole tokens, run46: 8.44 vs 9.04 ms fwd at 32K;
-    # "auto": gluon_ws where its tiles fit, else gluon, else triton)
+    # "auto": gluon_ws where its tiles fit (msa_block_outer.ws_fits), else gluon, else triton)
     fwd_kernel: str = "auto"
     part_dtype: str = "bf16"  # storage of partial outputs / dQ partials: "bf16" or "fp32"
     dq: str = "partial"  # "partial" (per-entry partials, then a sum) or "atomic" (fp32 atomic adds)
-    # gluon_ws: dQ partials leave "tma" (through shared memory, one TMA store per token, under the next tile) or
-    # "registers" (stored from the math warps, as _bwd_gluon does)
+    # gluon_ws: dQ partials leave "tma" (through shared memory and TMA stores that run under the next tile; where
+    # ws_fits allows) or "registers" (stored from the math warps, as _bwd_gluon does)
     dq_store: str = "tma"
     item_tokens: int = 512  # entries per work item
     # Prefix tokens per sequence from which SDPA takes the dense prefix; 0 = never. Off: the kernels take those

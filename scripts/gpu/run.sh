@@ -17,8 +17,11 @@
 #   block_tests           pytest -m gpu: the block-outer MSA kernels alone (tests/rl/model/test_msa_block_outer.py)
 #   msa_tests             pytest -m gpu: the MSA kernels (block-outer, per-token, flex) and the trainer fast-paths test
 #   ncu_msa[:LEN]         Nsight Compute (--set full, clocks left alone) on the Gluon MSA forward and backward of one
-#                         fwd+bwd at LEN tokens (default 32768): the report and its details and per-SASS-instruction
-#                         pages as text, in $OUT/ncu.tgz
+#                         fwd+bwd at LEN tokens (default 32768): its details and per-SASS-instruction pages as text,
+#                         in $OUT/ncu_msa.tgz (the report itself, ~13 MB, is not kept)
+#   ncu_expert[:TOKENS]   Nsight Compute (--set full, clocks left alone) on the expert GEMMs at TOKENS (default 32768):
+#                         Gluon input gradient, Triton forward, bf16 _grouped_mm both ways, each launched once
+#                         (scripts/gpu/ncu_expert.py); details and per-SASS pages as text in $OUT/ncu_expert.tgz
 #   bench_msa[:ARGS]      scripts/bench_msa.py (4K-64K, 1 and 4 sequences, vs dense SDPA) with extra ARGS, '+' for
 #                         spaces (e.g. bench_msa:--compare+triton+--sweep+32768); JSON to $OUT/bench_msa.json
 # The device tool returns at most 8 files: logs go into logs.tgz, and the JSON results into results.tgz when
@@ -64,7 +67,17 @@ for step in "$@"; do
       ncu -i "$OUT/ncu_msa.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_msa_sass.txt" 2>&1
       grep -E "^  [_a-z]|Duration|Throughput|Executed Ipc A|Issue Slots Busy|No Eligible|Warp Cycles Per Issued" \
           "$OUT/ncu_msa_details.txt" | head -n 60
-      (cd "$OUT" && tar czf ncu.tgz ncu_msa.ncu-rep ncu_msa_*.txt && rm -f ncu_msa.ncu-rep ncu_msa_*.txt) ;;
+      (cd "$OUT" && tar czf ncu_msa.tgz ncu_msa_*.txt && rm -f ncu_msa.ncu-rep ncu_msa_*.txt) ;;
+    ncu_expert|ncu_expert:*)
+      tok=${step#ncu_expert}; tok=${tok#:}; tok=${tok:-32768}
+      run ncu_expert "$(lim 240)" ncu --clock-control none --set full --import-source no --profile-from-start off \
+          -f -o "$OUT/ncu_expert" python3 scripts/gpu/ncu_expert.py --tokens "$tok"
+      ncu -i "$OUT/ncu_expert.ncu-rep" --page details > "$OUT/ncu_expert_details.txt" 2>&1
+      ncu -i "$OUT/ncu_expert.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_expert_sass.txt" 2>&1
+      grep -E "^  [_a-zA-Z]|Duration|Throughput|Executed Ipc A|Issue Slots Busy|No Eligible|Warp Cycles Per Issued" \
+          "$OUT/ncu_expert_details.txt" | head -n 80
+      (cd "$OUT" && tar czf ncu_expert.tgz ncu_expert_details.txt ncu_expert_sass.txt \
+          && rm -f ncu_expert.ncu-rep ncu_expert_*.txt) ;;
     bench_msa|bench_msa:*)
       extra=${step#bench_msa}; extra=${extra#:}
       run bench_msa "$(lim 420)" python3 scripts/bench_msa.py ${extra//+/ } --out "$OUT/bench_msa.json" ;;

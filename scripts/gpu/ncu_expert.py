@@ -1,0 +1,65 @@
+"""The routed-expert GEMMs of scripts/bench_expert_gemm.py at one token count, each launched once between
+cudaProfilerStart/Stop, for Nsight Compute (scripts/gpu/run.sh ncu_expert): the gate_up input gradient by the
+warp-specialized Gluon kernel (BM=256, the sm_90 default at 97-767 rows per expert), the gate_up forward by the Triton
+kernel (its default tiles for these rows), and the bf16 torch._grouped_mm forward and input gradient they are
+measured against. Random weights and uniform top-4 routing, as the benchmark. Prints each call's time once warm.
+
+    ncu --profile-from-start off ... python3 scripts/gpu/ncu_expert.py --tokens 32768
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench_expert_gemm import E, SHAPES, TOPK  # noqa: E402
+
+from quant.kernels import nvfp4_moe as moe  # noqa: E402
+from quant.kernels import nvfp4_moe_gemm as gemm  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=32768)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    n, k = SHAPES["gate_up"]
+    packed = torch.randint(0, 256, (E, n, k // 2), dtype=torch.uint8, device="cuda")
+    scale = torch.randint(0x28, 0x70, (E, n, k // 16), dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    gs = (torch.rand(E, device="cuda") * 1e-3 + 1e-4).float()
+    wbf = torch.randn(E, n, k, device="cuda", dtype=torch.bfloat16)
+    ids = torch.rand(args.tokens, E, device="cuda").topk(TOPK, dim=1).indices
+    _, offsets = moe.sort_by_expert(ids, E)
+    m = args.tokens * TOPK
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    offs_end = offsets[1:].contiguous()
+    calls = {
+        "gluon_dgrad_BM256": lambda: gemm.launch_dgrad(dy, packed, scale, gs, offsets,
+                                                       config=dict(GLUON=True, BM=256)),
+        "triton_fwd": lambda: gemm.launch_fwd(x, packed, scale, gs, offsets, config=gemm.fwd_config(m, E)),
+        "bf16_grouped_mm_fwd": lambda: torch._grouped_mm(x, wbf.transpose(1, 2), offs=offs_end),
+        "bf16_grouped_mm_dgrad": lambda: torch._grouped_mm(dy, wbf, offs=offs_end),
+    }
+    for name, fn in calls.items():  # compile and warm up outside the profiled range
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        print(f"{name}: {start.elapsed_time(end):.3f} ms ({m // E} rows per expert, gate_up)", flush=True)
+    torch.cuda.cudart().cudaProfilerStart()
+    for fn in calls.values():
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+if __name__ == "__main__":
+    main()
