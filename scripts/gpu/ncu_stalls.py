@@ -1,0 +1,84 @@
+"""Where a kernel's warps wait, from the per-SASS-instruction page Nsight Compute writes (scripts/gpu/run.sh ncu_msa /
+ncu_expert: `ncu -i REPORT --page source --csv --print-source sass`): per kernel, the warp-stall samples by reason,
+the instructions holding the most samples, and, with --split ADDR, the samples below and from that address (warp
+partitions of a warp-specialized kernel sit in separate address ranges: the workers' code first).
+
+    python scripts/gpu/ncu_stalls.py results/gpu/run45/ncu_text.tgz                # every kernel in the page
+    python scripts/gpu/ncu_stalls.py PAGE.txt --kernel 2 --top 40 --split 0x1200   # offsets from the kernel's start
+
+Runs anywhere (no GPU, no Nsight Compute): it reads the CSV text only.
+"""
+
+import argparse
+import collections
+import csv
+import io
+import tarfile
+
+ALL = "Warp Stall Sampling (All Samples)"
+
+
+def read_page(path: str) -> str:
+    """The page's text, from the file or from the *_sass.txt member of a .tgz."""
+    if path.endswith((".tgz", ".tar.gz")):
+        with tarfile.open(path) as tar:
+            member = next(m for m in tar.getmembers() if m.name.endswith("_sass.txt"))
+            return tar.extractfile(member).read().decode()
+    with open(path) as f:
+        return f.read()
+
+
+def kernels(text: str) -> list[tuple[str, list[dict]]]:
+    """[(kernel name, rows as dicts)] in the page's order; each block starts with a "Kernel Name" line."""
+    out, block = [], None
+    for line in text.splitlines():
+        if line.startswith('"Kernel Name"'):
+            block = [line]
+            out.append(block)
+        elif block is not None:
+            block.append(line)
+    parsed = []
+    for block in out:
+        name = next(csv.reader([block[0]]))[1]
+        rows = list(csv.DictReader(io.StringIO("\n".join(block[1:]))))
+        parsed.append((name, [r for r in rows if r.get(ALL, "").isdigit()]))
+    return parsed
+
+
+def summarize(name: str, rows: list[dict], top: int, split: int | None) -> str:
+    reasons = [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c] if rows else []
+    total = sum(int(r[ALL]) for r in rows) or 1
+    base = min(int(r["Address"], 16) for r in rows) if rows else 0
+    by_reason = collections.Counter({c: sum(int(r[c] or 0) for r in rows) for c in reasons})
+    lines = [f"{name}: {total} samples"]
+    lines += [f"  {c[6:]:20s} {v / total:6.1%}" for c, v in by_reason.most_common(10)]
+    if split is not None:
+        for label, keep in (("below", lambda a: a < split), ("from", lambda a: a >= split)):
+            part = [r for r in rows if keep(int(r["Address"], 16) - base)]
+            n = sum(int(r[ALL]) for r in part) or 1
+            top_reasons = collections.Counter({c: sum(int(r[c] or 0) for r in part) for c in reasons}).most_common(5)
+            lines.append(f"  {label} +{split:#x}: {n / total:.1%} of samples; "
+                         + ", ".join(f"{c[6:]} {v / n:.1%}" for c, v in top_reasons))
+    lines.append(f"  top {top} instructions (offset from the kernel's first, share of samples, top reasons):")
+    for r in sorted(rows, key=lambda r: -int(r[ALL]))[:top]:
+        st = sorted(((int(r[c] or 0), c[6:]) for c in reasons), reverse=True)[:2]
+        lines.append(f"  +{int(r['Address'], 16) - base:05x} {int(r[ALL]) / total:5.1%}  {r['Source'][:60]:60s} "
+                     + ", ".join(f"{c} {v}" for v, c in st if v))
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("page", help="the source page as text, or a .tgz holding *_sass.txt")
+    ap.add_argument("--kernel", type=int, default=None, help="only the N-th kernel of the page (0-based)")
+    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--split", type=lambda s: int(s, 0), default=None, help="offset splitting the samples in two")
+    args = ap.parse_args()
+    found = kernels(read_page(args.page))
+    for i, (name, rows) in enumerate(found):
+        if args.kernel is None or i == args.kernel:
+            print(f"[{i}] " + summarize(name, rows, args.top, args.split))
+
+
+if __name__ == "__main__":
+    main()
