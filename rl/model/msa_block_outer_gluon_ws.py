@@ -24,6 +24,8 @@ tests hold both to the fp32 reference's bounds; make test compiles these for sm_
 
 from __future__ import annotations
 
+import torch
+
 from rl.model.msa_block_outer_gluon import gluon
 
 if gluon is not None:
@@ -52,8 +54,6 @@ WS_FWD = dict(S=4, num_warps=4, maxnreg=168)
 
 def _descriptor(t, box):
     """A TMA descriptor over the 2-D tensor t, `box`-shaped copies in the kernels' NVMMA shared layout."""
-    import torch
-
     dt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[t.dtype]
     return TensorDescriptor.from_tensor(t, list(box), gl.NVMMASharedLayout.get_default_for(list(box), dt))
 
