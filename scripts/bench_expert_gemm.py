@@ -62,6 +62,22 @@ def grouped_mm_fn(x, w, offs_end, transpose):
         return loop, "per-expert torch.mm loop", loop()
 
 
+def random_weights(n, k):
+    """One projection [N, K] of all E experts, random: NVFP4 codes, E4M3 block scales (bytes 0x28-0x6F: finite,
+    normal), global decode scales, and a bf16 stand-in of the same shape for the baseline."""
+    packed = torch.randint(0, 256, (E, n, k // 2), dtype=torch.uint8, device="cuda")
+    scale = torch.randint(0x28, 0x70, (E, n, k // 16), dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    gs = (torch.rand(E, device="cuda") * 1e-3 + 1e-4).float()
+    wbf = torch.randn(E, n, k, device="cuda", dtype=torch.bfloat16)
+    return packed, scale, gs, wbf
+
+
+def uniform_routing(tokens):
+    """Expert offsets [E+1] of tokens x top-4 rows sorted by expert, top-4 of iid uniform scores per token."""
+    ids = torch.rand(tokens, E, device="cuda").topk(TOPK, dim=1).indices
+    return moe.sort_by_expert(ids, E)[1]
+
+
 def bench_lora(tokens, loop, rep_ms, rank=32):
     """Expert LoRA (gate_up + down, rank 32, fp32 masters) fwd+bwd on tokens x top-4 routed rows: grouped
     (rl.model.lora.grouped_lora_delta, torch._grouped_mm) vs the per-expert loop it replaced; and the bf16 base gate_up
@@ -72,8 +88,7 @@ def bench_lora(tokens, loop, rep_ms, rank=32):
     with torch.no_grad():
         for p in (lora.gate_up_B, lora.down_B):
             p.normal_(0, 0.01)
-    ids = torch.rand(tokens, E, device="cuda").topk(TOPK, dim=1).indices
-    order, offsets = moe.sort_by_expert(ids, E)
+    offsets = uniform_routing(tokens)
     m = tokens * TOPK
     x = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     a = torch.randn(m, INTER, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -132,16 +147,9 @@ def main():
         "decoder_default": gemm.DEFAULT_DECODER,
         "rows": [],
     }
-    weights = {}
-    for name, (n, k) in SHAPES.items():
-        packed = torch.randint(0, 256, (E, n, k // 2), dtype=torch.uint8, device="cuda")
-        scale = torch.randint(0x28, 0x70, (E, n, k // 16), dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
-        gs = (torch.rand(E, device="cuda") * 1e-3 + 1e-4).float()
-        wbf = torch.randn(E, n, k, device="cuda", dtype=torch.bfloat16)
-        weights[name] = (packed, scale, gs, wbf)
+    weights = {name: random_weights(n, k) for name, (n, k) in SHAPES.items()}
     for t in [int(v) for v in args.tokens.split(",")]:
-        ids = torch.rand(t, E, device="cuda").topk(TOPK, dim=1).indices
-        order, offsets = moe.sort_by_expert(ids, E)
+        offsets = uniform_routing(t)
         m = t * TOPK
         counts = (offsets[1:] - offsets[:-1])
         active = int((counts > 0).sum())

@@ -29,9 +29,10 @@ Measured on one H200 (results/gpu/run47, issue18_targets.json; 64 q / 4 KV heads
 fwd+bwd 23.3 ms at 32K tokens (22.3 per call back to back, as between a model's layers; per-token kernels 99 ms,
 dense causal SDPA 113 ms), 44.8 ms at 64K (SDPA 447 ms); faster than SDPA from 8K tokens (single sequence), 1.5x
 slower at 4K (1.18x back to back). On Hopper the forward and backward are the warp-specialized Gluon kernels of
-rl.model.msa_block_outer_gluon (5.0 and 10.4 ms at 32K; its unspecialized `_fwd_gluon` / `_bwd_gluon` and this file's
-Triton `_fwd` / `_bwd` run where their tiles do not fit, and on request, Config.fwd_kernel / bwd_kernel); the merge
-and dQ sum 4.6 ms (at bandwidth: the cost of the partials), the plan 0.3 ms of GPU time.
+rl.model.msa_block_outer_gluon_ws (5.0 and 10.4 ms at 32K; the unspecialized `_fwd_gluon` / `_bwd_gluon` of
+rl.model.msa_block_outer_gluon and this file's Triton `_fwd` / `_bwd` run where those tiles do not fit, and on
+request, Config.fwd_kernel / bwd_kernel); the merge and dQ sum 4.6 ms (at bandwidth: the cost of the partials), the
+plan 0.3 ms of GPU time.
 """
 
 from __future__ import annotations
@@ -252,16 +253,16 @@ def ws_fits(config: Config, g: int) -> dict:
     (the backward storing dQ by TMA). Their TMA boxes are one token's G rows of a 128-byte-swizzled tile, whose
     swizzle repeats every 8 rows: G must be a multiple of 8 for them (the tiny test model's G=2 is not)."""
     tm, bm = tile_shape(config.bwd_rows, g)
-    return {"fwd_kernel": tile_shape(config.fwd_rows, g) == (64 // g, 64) and g % 8 == 0
-            and config.part_dtype != "fp32",
+    tma_rows = g % 8 == 0 and config.part_dtype != "fp32"  # token boxes on the swizzle period, operand-type rows
+    return {"fwd_kernel": tile_shape(config.fwd_rows, g) == (64 // g, 64) and tma_rows,
             "bwd_kernel": tm * g == bm and tm % 2 == 0,  # its loader copies half a tile at a time: whole tokens
-            "dq_tma": config.dq_store == "tma" and g % 8 == 0 and config.part_dtype != "fp32"}
+            "dq_tma": config.dq_store == "tma" and tma_rows}
 
 
 def _kernels(q, k, config) -> Config:
     """Config.fwd_kernel / bwd_kernel resolved for these inputs: on Hopper in bf16/fp16 what was asked for, 'auto'
-    being the warp-specialized Gluon kernel where its tiles fit (ws_fits, else 'gluon'); elsewhere 'triton'. A Gluon
-    request that cannot run fails here, before any work."""
+    being the warp-specialized Gluon kernel where its tiles fit (ws_fits, else 'gluon'); elsewhere 'triton'; and
+    dq_store 'tma' only where ws_fits allows it. A Gluon request that cannot run fails here, before any work."""
     hopper = (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
               and torch.cuda.get_device_capability(q.device)[0] == 9)
     g = q.shape[1] // k.shape[1]
@@ -280,8 +281,9 @@ def _kernels(q, k, config) -> Config:
                              f"{needs[name]}")
     auto = {name: "gluon_ws" if ws[name] else "gluon" for name in fits}
     asked = {name: getattr(config, name) for name in fits}
-    return dataclasses.replace(config, **{name: (auto[name] if asked[name] == "auto" else asked[name]) if ok
-                                          else "triton" for name, ok in fits.items()})
+    return dataclasses.replace(config, dq_store=config.dq_store if ws["dq_tma"] else "registers",
+                               **{name: (auto[name] if asked[name] == "auto" else asked[name]) if ok else "triton"
+                                  for name, ok in fits.items()})
 
 
 def _part_dtype(q, config):
@@ -299,10 +301,10 @@ def _forward(q, k, v, dense_out, plan: Plan, scale: float, config: Config, o, ls
     lpart = torch.empty(ne * g, dtype=torch.float32, device=q.device)
     qk_scale = scale * math.log2(math.e)
     tm, bm = tile_shape(config.fwd_rows, g)
-    tables = (plan.entries, plan.order, plan.item_key, plan.item_lo, plan.item_hi, plan.kstart, t_count, plan.nkb,
-              qk_scale)
+    items = (plan.entries, plan.order, plan.item_key, plan.item_lo, plan.item_hi, plan.kstart)
+    tables = (*items, t_count, plan.nkb, qk_scale)
     if plan.n_max and config.fwd_kernel == "gluon_ws":  # resolved by sparse_attention
-        _fwd_gluon_ws[(plan.n_max,)](*fwd_ws_descriptors(q, k, v, opart, g, bm), lpart, *tables[:6], plan.nkb, qk_scale,
+        _fwd_gluon_ws[(plan.n_max,)](*fwd_ws_descriptors(q, k, v, opart, g, bm), lpart, *items, plan.nkb, qk_scale,
                                      HQ=hq, HKV=hkv, G=g, TOPK=topk, TM=tm, **WS_FWD)
     elif plan.n_max and config.fwd_kernel == "gluon":
         _fwd_gluon[(plan.n_max,)](q, k, v, opart, lpart, *tables, HQ=hq, HKV=hkv, G=g, TOPK=topk, TM=tm, BM=bm, D=dim,
@@ -339,7 +341,7 @@ def _backward(q, k, v, o, lse, do, plan: Plan, scale: float, config: Config, dq,
     dvs = torch.empty_like(dks)
     qk_scale = scale * math.log2(math.e)
     if ni and config.bwd_kernel == "gluon_ws":  # resolved by sparse_attention
-        dq_tma = ws_fits(config, g)["dq_tma"]
+        dq_tma = config.dq_store == "tma"  # resolved by sparse_attention (ws_fits)
         descs = dq_descriptors(dq_buf, g, bm) if dq_tma else (None, None)
         _bwd_gluon_ws[(ni,)](q, k, v, do, lse, delta, dq_buf, *descs, dks, dvs, plan.entries, plan.order,
                              plan.item_key, plan.item_lo, plan.item_hi, plan.kstart, t_count, plan.nkb, qk_scale,

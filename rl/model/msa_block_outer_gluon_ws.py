@@ -109,12 +109,11 @@ if gluon is not None:
 
     @gluon.jit
     def _fwd_ws_math(k_s, v_s, q_s, o_s, kv_bar, ready, empty, o_desc, o_tile_desc, lpart_ptr, ent_ptr, lo, hi, k0,
-                     n_tiles,
-                     qk_scale, WG: gl.constexpr, HKV: gl.constexpr, G: gl.constexpr, TOPK: gl.constexpr,
+                     n_tiles, qk_scale, WG: gl.constexpr, HKV: gl.constexpr, G: gl.constexpr, TOPK: gl.constexpr,
                      TM: gl.constexpr):
         # One math warpgroup of _fwd_gluon_ws: tiles WG, WG+2, ... of the item (the two warpgroups alternate, so one
         # computes its softmax while the other's MMAs run); per tile S = Q K^T, the softmax over this block,
-        # O = P V, then O through shared memory and one TMA store per token, the LSE by plain stores.
+        # O = P V, then O through shared memory and TMA (_store_rows), the LSE by plain stores.
         BN: gl.constexpr = 128
         S: gl.constexpr = q_s.type.shape[0]
         BM: gl.constexpr = q_s.type.shape[1]
@@ -221,8 +220,7 @@ if gluon is not None:
 
     @gluon.jit
     def _bwd_ws_math(k_s, v_s, q_s, do_s, ds_s, dq_s, e_s, lse_s, dl_s, ready, empty, dq_ptr, dq_desc, dq_tile_desc,
-                     dks_ptr,
-                     dvs_ptr, it, lo, hi, k0, n_tiles, qk_scale, HKV: gl.constexpr, G: gl.constexpr,
+                     dks_ptr, dvs_ptr, it, lo, hi, k0, n_tiles, qk_scale, HKV: gl.constexpr, G: gl.constexpr,
                      TOPK: gl.constexpr, TM: gl.constexpr, BM: gl.constexpr, D: gl.constexpr, DQ_TMA: gl.constexpr,
                      num_warps: gl.constexpr):
         # The math partition of _bwd_gluon_ws: _bwd_gluon's tile loop without its copies and entry loads.
@@ -255,8 +253,7 @@ if gluon is not None:
 
     @gluon.jit
     def _bwd_gluon_ws(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dq_desc, dq_tile_desc, dks_ptr, dvs_ptr,
-                      ent_ptr,
-                      order_ptr, key_ptr, lo_ptr, hi_ptr, kstart_ptr, T, NKB, qk_scale, HQ: gl.constexpr,
+                      ent_ptr, order_ptr, key_ptr, lo_ptr, hi_ptr, kstart_ptr, T, NKB, qk_scale, HQ: gl.constexpr,
                       HKV: gl.constexpr, G: gl.constexpr, TOPK: gl.constexpr, TM: gl.constexpr, BM: gl.constexpr,
                       D: gl.constexpr, S: gl.constexpr, LW: gl.constexpr, LREGS: gl.constexpr, DQ_TMA: gl.constexpr,
                       num_warps: gl.constexpr):

@@ -15,9 +15,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_expert_gemm import E, SHAPES, TOPK  # noqa: E402
+from bench_expert_gemm import E, SHAPES, TOPK, random_weights, uniform_routing  # noqa: E402
 
-from quant.kernels import nvfp4_moe as moe  # noqa: E402
 from quant.kernels import nvfp4_moe_gemm as gemm  # noqa: E402
 
 
@@ -27,12 +26,8 @@ def main():
     args = ap.parse_args()
     torch.manual_seed(0)
     n, k = SHAPES["gate_up"]
-    packed = torch.randint(0, 256, (E, n, k // 2), dtype=torch.uint8, device="cuda")
-    scale = torch.randint(0x28, 0x70, (E, n, k // 16), dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
-    gs = (torch.rand(E, device="cuda") * 1e-3 + 1e-4).float()
-    wbf = torch.randn(E, n, k, device="cuda", dtype=torch.bfloat16)
-    ids = torch.rand(args.tokens, E, device="cuda").topk(TOPK, dim=1).indices
-    _, offsets = moe.sort_by_expert(ids, E)
+    packed, scale, gs, wbf = random_weights(n, k)
+    offsets = uniform_routing(args.tokens)
     m = args.tokens * TOPK
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)

@@ -31,6 +31,15 @@ BUDGET=${RUN_BUDGET_S:-100000}  # seconds for all steps: a step starts only with
 # the trainer's GPU tests: its fast paths end to end and the kernels only it runs (fused SwiGLU, lean backwards)
 TRAINER_GPU_TESTS="tests/rl/model/test_trainer_gpu.py tests/rl/model/test_swiglu_triton.py tests/rl/model/test_lean_triton.py"
 lim() { local left=$(( BUDGET - SECONDS )); (( left < $1 )) && echo "$left" || echo "$1"; }
+# An Nsight Compute report $OUT/NAME.ncu-rep as text (details; per-SASS-instruction stall samples, which
+# scripts/gpu/ncu_stalls.py reads) in $OUT/NAME.tgz, its headline numbers printed; the report itself is dropped.
+ncu_pages() {
+  ncu -i "$OUT/$1.ncu-rep" --page details > "$OUT/$1_details.txt" 2>&1
+  ncu -i "$OUT/$1.ncu-rep" --page source --csv --print-source sass > "$OUT/$1_sass.txt" 2>&1
+  grep -E "^  [_a-zA-Z]|Duration|Throughput|Executed Ipc A|Issue Slots Busy|No Eligible|Warp Cycles Per Issued" \
+      "$OUT/$1_details.txt" | head -n 80
+  (cd "$OUT" && tar czf "$1.tgz" "$1_details.txt" "$1_sass.txt" && rm -f "$1.ncu-rep" "$1_details.txt" "$1_sass.txt")
+}
 for step in "$@"; do
   if (( BUDGET - SECONDS < 30 )); then echo "$step skipped: out of RUN_BUDGET_S" | tee -a "$OUT/summary.log"; continue; fi
   case "$step" in
@@ -63,21 +72,12 @@ for step in "$@"; do
       run ncu_msa "$(lim 240)" ncu --clock-control none --set full --import-source no -k 'regex:_(fwd|bwd)_gluon' \
           -c 3 -f -o "$OUT/ncu_msa" python3 scripts/bench_msa.py --lengths "$len" --packed 1 --warmup 0 --repeats 1 \
           --no-sdpa
-      ncu -i "$OUT/ncu_msa.ncu-rep" --page details > "$OUT/ncu_msa_details.txt" 2>&1
-      ncu -i "$OUT/ncu_msa.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_msa_sass.txt" 2>&1
-      grep -E "^  [_a-z]|Duration|Throughput|Executed Ipc A|Issue Slots Busy|No Eligible|Warp Cycles Per Issued" \
-          "$OUT/ncu_msa_details.txt" | head -n 60
-      (cd "$OUT" && tar czf ncu_msa.tgz ncu_msa_*.txt && rm -f ncu_msa.ncu-rep ncu_msa_*.txt) ;;
+      ncu_pages ncu_msa ;;
     ncu_expert|ncu_expert:*)
       tok=${step#ncu_expert}; tok=${tok#:}; tok=${tok:-32768}
       run ncu_expert "$(lim 240)" ncu --clock-control none --set full --import-source no --profile-from-start off \
           -f -o "$OUT/ncu_expert" python3 scripts/gpu/ncu_expert.py --tokens "$tok"
-      ncu -i "$OUT/ncu_expert.ncu-rep" --page details > "$OUT/ncu_expert_details.txt" 2>&1
-      ncu -i "$OUT/ncu_expert.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_expert_sass.txt" 2>&1
-      grep -E "^  [_a-zA-Z]|Duration|Throughput|Executed Ipc A|Issue Slots Busy|No Eligible|Warp Cycles Per Issued" \
-          "$OUT/ncu_expert_details.txt" | head -n 80
-      (cd "$OUT" && tar czf ncu_expert.tgz ncu_expert_details.txt ncu_expert_sass.txt \
-          && rm -f ncu_expert.ncu-rep ncu_expert_*.txt) ;;
+      ncu_pages ncu_expert ;;
     bench_msa|bench_msa:*)
       extra=${step#bench_msa}; extra=${extra#:}
       run bench_msa "$(lim 420)" python3 scripts/bench_msa.py ${extra//+/ } --out "$OUT/bench_msa.json" ;;
