@@ -23,9 +23,11 @@ def test_hopper_compile_report():
     # two forward programs per SM: their K/V blocks and double-buffered rows in half of the shared memory
     assert kernels["_fwd_gluon"]["shared_bytes"] <= HOPPER_SHARED_BYTES // 2, kernels["_fwd_gluon"]
     # the warp-specialized backward (the default), dQ stored by TMA and from registers: 4 loader warps at 24
-    # registers each, so that the math warps get 240
+    # registers each, so that the math warps get 240; and the warp-specialized forward (the default), one program
+    # per SM
     ws = [k for k in report["kernels"] if k["kernel"] == "_bwd_gluon_ws"]
     assert sorted(k["DQ_TMA"] for k in ws) == [False, True], ws
+    ws.append(kernels["_fwd_gluon_ws"])
     for k in ws:
         assert k["stack_bytes"] == 0 and k["shared_bytes"] <= HOPPER_SHARED_BYTES, k
     for k in [kernels[name] for name in ("_fwd", "_fwd_gluon", "_bwd", "_bwd_gluon")] + ws:
