@@ -62,6 +62,10 @@ def grouped_mm_fn(x, w, offs_end, transpose):
         return loop, "per-expert torch.mm loop", loop()
 
 
+# Gluon kernel configs timed by --variants / --gluon-variants at >= 4096 tokens (label, config)
+GLUON_VARIANTS = (("BM=128", dict(BM=128)), ("BM=256", dict(BM=256)), ("BM=256,DW=8", dict(BM=256, DW=8, DREGS=64)))
+
+
 def random_weights(n, k):
     """One projection [N, K] of all E experts, random: NVFP4 codes, E4M3 block scales (bytes 0x28-0x6F: finite,
     normal), global decode scales, and a bf16 stand-in of the same shape for the baseline."""
@@ -128,6 +132,7 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--measure-copy", action="store_true")
     ap.add_argument("--variants", action="store_true", help="also time the 'triton' decoder and alt tiles")
+    ap.add_argument("--gluon-variants", action="store_true", help="also time the Gluon kernel's GLUON_VARIANTS")
     ap.add_argument("--rep-ms", type=int, default=60)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -191,11 +196,12 @@ def main():
                               dict(BM=256, BK=128, BN=64, num_warps=8, num_stages=3, SWAP=False), None))
                 cases.append(("dgrad", "nvfp4[BM=256,st2]",
                               dict(BM=256, BK=128, BN=128, num_warps=8, num_stages=2, SWAP=False), None))
+            if (args.variants or args.gluon_variants) and t >= 4096:
                 # the warp-specialized Gluon kernel (quant/kernels/nvfp4_moe_gluon.py)
-                for label, cfg in (("BM=128", dict(BM=128)), ("BM=256", dict(BM=256)),
-                                   ("BM=256,DW=8", dict(BM=256, DW=8, DREGS=64))):
+                for label, cfg in GLUON_VARIANTS:
                     for direction in ("fwd", "dgrad"):
                         cases.append((direction, f"nvfp4[gluon {label}]", dict(GLUON=True, **cfg), None))
+            if args.variants and t >= 4096:
                 for bm, bn, nw, ns in ((64, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3), (256, 64, 8, 3)):
                     cases.append(("dgrad", f"nvfp4[SWAP BM={bm},BN={bn}]",
                                   dict(BM=bm, BK=128, BN=bn, num_warps=nw, num_stages=ns, SWAP=True), None))

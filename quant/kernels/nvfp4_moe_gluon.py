@@ -21,7 +21,12 @@ the Triton kernel and 6.34 / 8.21 / 14.03 / 26.62 for bf16 ``torch._grouped_mm``
 sm_90 above ``nvfp4_moe_gemm.GLUON_DGRAD_MIN_ROWS`` rows per expert (and decode + cuBLAS stays the path from 768, where
 it is faster). The forward is slower than the Triton forward kernel (weights decoded straight into the MMA's register
 operand) at every size measured, so it stays opt-in there (``config={"GLUON": True, ...}``). Variants that did not
-help (run39): one fma per decoded pair with the 2^126 folded into the scale, 8 decode warps.
+help: one fma per decoded pair with the 2^126 folded into the scale, 8 decode warps (run39); loading the packed words
+two or three steps ahead (run50); the decode warps issuing the input TMA in place of a load warp, and 128 x 256 tiles
+(64x256 wgmma; ptxas checks its 128 accumulator registers against the launch cap, so that needs no load warp), 1.3x
+slower at 32K tokens (run51: the decode per MMA doubles). Nsight Compute at 32K tokens (run49, ``ncu_stalls.txt``):
+the tensor pipe is busy 62% of the time (cuBLAS's grouped GEMM: 94%); the MMA warps wait on the decoded tile, and the
+decoded tile's shared-memory stores take 10.1 wavefronts per request (40% of them bank conflicts).
 """
 
 import functools
@@ -128,8 +133,7 @@ if gluon is not None:
             mbarrier.arrive(ready.index(b), count=1)
 
     @gluon.jit
-    def _ws_mma(in_s, w_s, in_ready, in_empty, w_ready, w_empty, n_steps, DGRAD: gl.constexpr,
-                num_warps: gl.constexpr):
+    def _ws_mma(in_s, w_s, in_ready, w_ready, empty, n_steps, DGRAD: gl.constexpr, num_warps: gl.constexpr):
         S: gl.constexpr = in_s.type.shape[0]
         BM: gl.constexpr = in_s.type.shape[1]
         BO: gl.constexpr = w_s.type.shape[2] if DGRAD else w_s.type.shape[1]
@@ -146,9 +150,8 @@ if gluon is not None:
             else:
                 acc = warpgroup_mma(in_s.index(b), w_s.index(b).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(1, deps=(acc, ))  # step i-1's MMA has retired: release its stage
-            prev = (i + S - 1) % S
-            mbarrier.arrive(in_empty.index(prev), count=1, pred=i > 0)
-            mbarrier.arrive(w_empty.index(prev), count=1, pred=i > 0)
+            # one barrier frees both halves of the stage (one partition-wide sync and arrive per step, not two)
+            mbarrier.arrive(empty.index((i + S - 1) % S), count=1, pred=i > 0)
         # The epilogue runs after the region, where these warps get the workers' registers back: inside it, the
         # accumulator and its layout conversion spill at BM=256 (sm_90 compile, scripts/expert_kernel_resources.py).
         return (warpgroup_mma_wait(0, deps=(acc, )), )  # the default partition's results are a tuple
@@ -175,19 +178,17 @@ if gluon is not None:
             w_s = gl.allocate_shared_memory(gl.bfloat16, [S, WR, WC],
                                             gl.NVMMASharedLayout.get_default_for([WR, WC], gl.bfloat16))
             in_ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-            in_empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
             w_ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-            w_empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+            empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
             for b in gl.static_range(S):
                 mbarrier.init(in_ready.index(b), count=1)
-                mbarrier.init(in_empty.index(b), count=1)
                 mbarrier.init(w_ready.index(b), count=1)
-                mbarrier.init(w_empty.index(b), count=1)
+                mbarrier.init(empty.index(b), count=1)
             n_steps = gl.cdiv(r_cols, BR)
             acc, = gl.warp_specialize([
-                (_ws_mma, (in_s, w_s, in_ready, in_empty, w_ready, w_empty, n_steps, DGRAD, num_warps)),
-                (_ws_load, (in_desc, in_s, in_ready, in_empty, row0.to(gl.int32), n_steps)),
-                (_ws_decode, (w_ptr, s_ptr, w_s, w_ready, w_empty, e, o0, n_steps, N, K, KW, KS, DGRAD, DW)),
+                (_ws_mma, (in_s, w_s, in_ready, w_ready, empty, n_steps, DGRAD, num_warps)),
+                (_ws_load, (in_desc, in_s, in_ready, empty, row0.to(gl.int32), n_steps)),
+                (_ws_decode, (w_ptr, s_ptr, w_s, w_ready, empty, e, o0, n_steps, N, K, KW, KS, DGRAD, DW)),
             ], [1, DW], [24, DREGS])
             out = gl.convert_layout((acc * gl.load(gs_ptr + e)).to(gl.bfloat16), ld)
             rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, ld))

@@ -5,6 +5,7 @@ partitions of a warp-specialized kernel sit in separate address ranges: the work
 
     python scripts/gpu/ncu_stalls.py results/gpu/run45/ncu_text.tgz                # every kernel in the page
     python scripts/gpu/ncu_stalls.py PAGE.txt --kernel 2 --top 40 --split 0x1200   # offsets from the kernel's start
+    python scripts/gpu/ncu_stalls.py PAGE.txt --kernel 0 --ranges 0x600:0x2400,0x3f80:0x4370  # partitions' loops
 
 Runs anywhere (no GPU, no Nsight Compute): it reads the CSV text only.
 """
@@ -45,7 +46,7 @@ def kernels(text: str) -> list[tuple[str, list[dict]]]:
     return parsed
 
 
-def summarize(name: str, rows: list[dict], top: int, split: int | None) -> str:
+def summarize(name: str, rows: list[dict], top: int, split: int | None, ranges=()) -> str:
     reasons = [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c] if rows else []
     total = sum(int(r[ALL]) for r in rows) or 1
     base = min(int(r["Address"], 16) for r in rows) if rows else 0
@@ -59,6 +60,19 @@ def summarize(name: str, rows: list[dict], top: int, split: int | None) -> str:
             top_reasons = collections.Counter({c: sum(int(r[c] or 0) for r in part) for c in reasons}).most_common(5)
             lines.append(f"  {label} +{split:#x}: {n / total:.1%} of samples; "
                          + ", ".join(f"{c[6:]} {v / n:.1%}" for c, v in top_reasons))
+    for lo, hi in ranges:  # e.g. one warp partition's loop: samples, top reasons, executed instructions by opcode
+        part = [r for r in rows if lo <= int(r["Address"], 16) - base < hi]
+        n = sum(int(r[ALL]) for r in part) or 1
+        top_reasons = collections.Counter({c: sum(int(r[c] or 0) for r in part) for c in reasons}).most_common(5)
+        ops = collections.Counter()
+        for r in part:
+            words = r["Source"].split()
+            if words:
+                op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
+                ops[op.split(".")[0]] += int(r.get("Instructions Executed") or 0)
+        lines.append(f"  +{lo:#x}..+{hi:#x}: {n / total:.1%} of samples; "
+                     + ", ".join(f"{c[6:]} {v / n:.1%}" for c, v in top_reasons)
+                     + "; warp instructions executed: " + ", ".join(f"{o} {v}" for o, v in ops.most_common(8)))
     lines.append(f"  top {top} instructions (offset from the kernel's first, share of samples, top reasons):")
     for r in sorted(rows, key=lambda r: -int(r[ALL]))[:top]:
         st = sorted(((int(r[c] or 0), c[6:]) for c in reasons), reverse=True)[:2]
@@ -73,11 +87,13 @@ def main():
     ap.add_argument("--kernel", type=int, default=None, help="only the N-th kernel of the page (0-based)")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--split", type=lambda s: int(s, 0), default=None, help="offset splitting the samples in two")
+    ap.add_argument("--ranges", default="", help="offset ranges LO:HI,... (hex or decimal) summarized one by one")
     args = ap.parse_args()
     found = kernels(read_page(args.page))
     for i, (name, rows) in enumerate(found):
         if args.kernel is None or i == args.kernel:
-            print(f"[{i}] " + summarize(name, rows, args.top, args.split))
+            ranges = [tuple(int(v, 0) for v in r.split(":")) for r in args.ranges.split(",") if r]
+            print(f"[{i}] " + summarize(name, rows, args.top, args.split, ranges))
 
 
 if __name__ == "__main__":
