@@ -253,11 +253,11 @@ def dgrad_config(m: int, num_experts: int) -> dict:
 
 
 # The input gradient's default on sm_90 above this many rows per expert (average): the warp-specialized Gluon kernel
-# of ``nvfp4_moe_gluon`` with BM=256, where the Triton kernel's decode and MMAs take turns. Measured on the H200
-# (results/gpu/run40, gate_up + down) at 128 / 256 / 512 rows per expert: 6.51 / 10.79 / 17.40 ms vs Triton 8.61 /
-# 13.51 / 23.72, bf16 6.34 / 8.21 / 14.03.
+# of ``nvfp4_moe_gluon`` with BM=256 and 8 decode warps, where the Triton kernel's decode and MMAs take turns.
+# Measured on the H200 (results/gpu/run55, gate_up + down, one call) at 128 / 256 / 512 rows per expert: 6.52 / 10.05
+# / 16.60 ms, with 4 decode warps 6.88 / 10.81 / 17.32, Triton 8.04 / 13.28 / 23.71, bf16 6.23 / 8.42 / 14.05.
 GLUON_DGRAD_MIN_ROWS = 96
-GLUON_DGRAD_CONFIG = dict(GLUON=True, BM=256)
+GLUON_DGRAD_CONFIG = dict(GLUON=True, BM=256, DW=8, DREGS=64)
 
 
 def gluon_available(t) -> bool:

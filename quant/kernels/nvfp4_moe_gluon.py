@@ -15,18 +15,22 @@ warps that issue the MMAs, so with one program per SM the decode's integer work 
 Exactness: the decoded weights are e2m1 * s in bf16 exactly, the same operands as the Triton kernels and the
 reference; the global scale multiplies the fp32 accumulator once, then one bf16 round. Rows never straddle experts.
 
-Measured on the H200 (results/gpu/run38-run40, gate_up + down, all 128 M3 experts, top-4): the input gradient at
-BM=256 takes 6.51 / 10.79 / 17.40 / 30.67 ms at 4K / 8K / 16K / 32K tokens, against 8.61 / 13.51 / 23.72 / 45.08 for
-the Triton kernel and 6.34 / 8.21 / 14.03 / 26.62 for bf16 ``torch._grouped_mm``: it is ``launch_dgrad``'s default on
-sm_90 above ``nvfp4_moe_gemm.GLUON_DGRAD_MIN_ROWS`` rows per expert (and decode + cuBLAS stays the path from 768, where
-it is faster). The forward is slower than the Triton forward kernel (weights decoded straight into the MMA's register
-operand) at every size measured, so it stays opt-in there (``config={"GLUON": True, ...}``). Variants that did not
-help: one fma per decoded pair with the 2^126 folded into the scale, 8 decode warps (run39); loading the packed words
-two or three steps ahead (run50); the decode warps issuing the input TMA in place of a load warp, and 128 x 256 tiles
-(64x256 wgmma; ptxas checks its 128 accumulator registers against the launch cap, so that needs no load warp), 1.3x
-slower at 32K tokens (run51: the decode per MMA doubles). Nsight Compute at 32K tokens (run49, ``ncu_stalls.txt``):
-the tensor pipe is busy 62% of the time (cuBLAS's grouped GEMM: 94%); the MMA warps wait on the decoded tile, and the
-decoded tile's shared-memory stores take 10.1 wavefronts per request (40% of them bank conflicts).
+Measured on the H200 (results/gpu/run55, gate_up + down, all 128 M3 experts, top-4): the input gradient at BM=256
+with 8 decode warps takes 6.52 / 10.05 / 16.60 / 29.83 ms at 4K / 8K / 16K / 32K tokens, with 4 decode warps 6.88 /
+10.81 / 17.32 / 30.93, against 8.04 / 13.28 / 23.71 / 45.02 for the Triton kernel and 6.23 / 8.42 / 14.05 / 24.64 for
+bf16 ``torch._grouped_mm``: it is ``launch_dgrad``'s default on sm_90 above ``nvfp4_moe_gemm.GLUON_DGRAD_MIN_ROWS``
+rows per expert (and decode + cuBLAS, 28.82 ms at 32K, stays the path from 768, where it is faster). The forward is
+slower than the Triton forward kernel (weights decoded straight into the MMA's register operand) at every size
+measured, so it stays opt-in there (``config={"GLUON": True, ...}``).
+
+Nsight Compute at 32K tokens (run49, ``ncu_stalls.txt``): the tensor pipe is busy 62% of the time (cuBLAS's grouped
+GEMM: 94%) and the MMA warps wait on the decoded tile; the decode warps issue on a fifth of their cycles, bound by
+their own dependency chains, and their tile stores had 2-way bank conflicts (fixed: run54). With the conflicts gone,
+8 decode warps beat 4 by 4-10% (runs 54-55; within noise before, run39). Variants that did not help: one fma per
+decoded pair with the 2^126 folded into the scale (run39); loading the packed words two or three steps ahead
+(run50); the decode warps issuing the input TMA in place of a load warp, and 128 x 256 tiles (64x256 wgmma; ptxas
+checks its 128 accumulator registers against the launch cap, so that needs no load warp), 1.3x slower at 32K
+tokens (run51: the decode per MMA doubles).
 """
 
 import functools
@@ -120,7 +124,11 @@ if gluon is not None:
         S: gl.constexpr = w_s.type.shape[0]
         WR: gl.constexpr = w_s.type.shape[1]
         WC: gl.constexpr = w_s.type.shape[2]
-        lw: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (WC // 32), WC // 32], [DW, 1], [1, 0])  # 16-byte loads
+        # 16-byte loads; consecutive threads take consecutive rows (order [0, 1]), so that each quarter-warp's
+        # 16-byte stores of the decoded tile land in 8 different bank groups of the 128-byte swizzle. With the
+        # columns first ([1, 0]) a quarter-warp of the input gradient's tile wrote two rows at 4 column chunks whose
+        # swizzled bank groups pair up: 8 wavefronts per store instead of 4 (Nsight Compute, run49; run54: 4).
+        lw: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (WC // 32), WC // 32], [DW, 1], [0, 1])
         e64 = e.to(gl.int64)
         p, s = _step_words(w_ptr, s_ptr, e64, o0, 0, N, K, KW, KS, WR, WC, DGRAD, lw)
         for i in range(n_steps):

@@ -1,6 +1,6 @@
 """The routed-expert GEMMs of scripts/bench_expert_gemm.py at one token count, each launched once between
 cudaProfilerStart/Stop, for Nsight Compute (scripts/gpu/run.sh ncu_expert): the gate_up input gradient by the
-warp-specialized Gluon kernel (BM=256, the sm_90 default at 97-767 rows per expert), the gate_up forward by the Triton
+warp-specialized Gluon kernel (its sm_90 default config at 97-767 rows per expert), the gate_up forward by the Triton
 kernel (its default tiles for these rows), and the bf16 torch._grouped_mm forward and input gradient they are
 measured against. Random weights and uniform top-4 routing, as the benchmark. Prints each call's time once warm.
 
@@ -33,8 +33,7 @@ def main():
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     offs_end = offsets[1:].contiguous()
     calls = {
-        "gluon_dgrad_BM256": lambda: gemm.launch_dgrad(dy, packed, scale, gs, offsets,
-                                                       config=dict(GLUON=True, BM=256)),
+        "gluon_dgrad": lambda: gemm.launch_dgrad(dy, packed, scale, gs, offsets, config=gemm.GLUON_DGRAD_CONFIG),
         "triton_fwd": lambda: gemm.launch_fwd(x, packed, scale, gs, offsets, config=gemm.fwd_config(m, E)),
         "bf16_grouped_mm_fwd": lambda: torch._grouped_mm(x, wbf.transpose(1, 2), offs=offs_end),
         "bf16_grouped_mm_dgrad": lambda: torch._grouped_mm(dy, wbf, offs=offs_end),

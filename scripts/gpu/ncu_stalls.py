@@ -52,6 +52,10 @@ def summarize(name: str, rows: list[dict], top: int, split: int | None, ranges=(
     base = min(int(r["Address"], 16) for r in rows) if rows else 0
     by_reason = collections.Counter({c: sum(int(r[c] or 0) for r in rows) for c in reasons})
     lines = [f"{name}: {total} samples"]
+    wf = {c: sum(int(r.get(c) or 0) for r in rows if (r.get(c) or "0").isdigit())
+          for c in ("L1 Wavefronts Shared", "L1 Wavefronts Shared Ideal", "L1 Wavefronts Shared Excessive")}
+    if wf["L1 Wavefronts Shared"]:  # shared-memory wavefronts (loads, stores, wgmma operands): bank conflicts
+        lines.append("  shared wavefronts {} (ideal {}, excessive {})".format(*wf.values()))
     lines += [f"  {c[6:]:20s} {v / total:6.1%}" for c, v in by_reason.most_common(10)]
     if split is not None:
         for label, keep in (("below", lambda a: a < split), ("from", lambda a: a >= split)):
