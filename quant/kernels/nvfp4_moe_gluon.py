@@ -219,10 +219,11 @@ def gluon_usable(t: torch.Tensor) -> bool:
 def ws_config(cfg: dict) -> dict:
     """The warp-specialized kernel's tiles from a launch config: BM rows (64 / 128 / 256), BO output columns per
     program, BR reduction columns per step (64: one 128-byte TMA box of bf16), S stages, WARPS for the MMA partition
-    (4 or 8; 8 at BM=256), DW decode warps (4 or 8) with DREGS registers each."""
+    (4 or 8; 8 at BM=256), DW decode warps (4 or 8) with DREGS registers each (default 128 for 4, 64 for 8)."""
     bm = cfg.get("BM", 128)
     out = dict(BM=bm, BO=cfg.get("BO", 128), BR=cfg.get("BR", 64), S=cfg.get("S", 4),
-               WARPS=cfg.get("WARPS", 8 if bm == 256 else 4), DW=cfg.get("DW", 4), DREGS=cfg.get("DREGS", 128))
+               WARPS=cfg.get("WARPS", 8 if bm == 256 else 4), DW=cfg.get("DW", 4))
+    out["DREGS"] = cfg.get("DREGS", 128 if out["DW"] == 4 else 64)  # 64: 8 decode warps beside 8 MMA warps
     if bm not in (64, 128, 256) or out["BR"] != 64 or out["WARPS"] not in (4, 8) or out["DW"] not in (4, 8):
         raise ValueError(f"nvfp4 expert GEMM GLUON config {out}: BM 64/128/256, BR 64, WARPS 4/8, DW 4/8")
     return out

@@ -1,7 +1,8 @@
 """Where a kernel's warps wait, from the per-SASS-instruction page Nsight Compute writes (scripts/gpu/run.sh ncu_msa /
 ncu_expert: `ncu -i REPORT --page source --csv --print-source sass`): per kernel, the warp-stall samples by reason,
-the instructions holding the most samples, and, with --split ADDR, the samples below and from that address (warp
-partitions of a warp-specialized kernel sit in separate address ranges: the workers' code first).
+the instructions holding the most samples, the shared-memory wavefronts against the ideal (bank conflicts), and,
+with --split ADDR, the samples below and from that address, or with --ranges, those of each range with its executed
+instructions by opcode (warp partitions of a warp-specialized kernel sit in separate address ranges).
 
     python scripts/gpu/ncu_stalls.py results/gpu/run45/ncu_text.tgz                # every kernel in the page
     python scripts/gpu/ncu_stalls.py PAGE.txt --kernel 2 --top 40 --split 0x1200   # offsets from the kernel's start
@@ -57,26 +58,24 @@ def summarize(name: str, rows: list[dict], top: int, split: int | None, ranges=(
     if wf["L1 Wavefronts Shared"]:  # shared-memory wavefronts (loads, stores, wgmma operands): bank conflicts
         lines.append("  shared wavefronts {} (ideal {}, excessive {})".format(*wf.values()))
     lines += [f"  {c[6:]:20s} {v / total:6.1%}" for c, v in by_reason.most_common(10)]
-    if split is not None:
-        for label, keep in (("below", lambda a: a < split), ("from", lambda a: a >= split)):
-            part = [r for r in rows if keep(int(r["Address"], 16) - base)]
-            n = sum(int(r[ALL]) for r in part) or 1
-            top_reasons = collections.Counter({c: sum(int(r[c] or 0) for r in part) for c in reasons}).most_common(5)
-            lines.append(f"  {label} +{split:#x}: {n / total:.1%} of samples; "
-                         + ", ".join(f"{c[6:]} {v / n:.1%}" for c, v in top_reasons))
-    for lo, hi in ranges:  # e.g. one warp partition's loop: samples, top reasons, executed instructions by opcode
+    def part_line(label, lo, hi, opcodes=False):  # the samples at offsets [lo, hi), their top reasons
         part = [r for r in rows if lo <= int(r["Address"], 16) - base < hi]
         n = sum(int(r[ALL]) for r in part) or 1
         top_reasons = collections.Counter({c: sum(int(r[c] or 0) for r in part) for c in reasons}).most_common(5)
-        ops = collections.Counter()
-        for r in part:
-            words = r["Source"].split()
-            if words:
-                op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
-                ops[op.split(".")[0]] += int(r.get("Instructions Executed") or 0)
-        lines.append(f"  +{lo:#x}..+{hi:#x}: {n / total:.1%} of samples; "
-                     + ", ".join(f"{c[6:]} {v / n:.1%}" for c, v in top_reasons)
-                     + "; warp instructions executed: " + ", ".join(f"{o} {v}" for o, v in ops.most_common(8)))
+        line = f"  {label}: {n / total:.1%} of samples; " + ", ".join(f"{c[6:]} {v / n:.1%}" for c, v in top_reasons)
+        if opcodes:  # executed warp instructions by opcode, e.g. for one warp partition's loop
+            ops = collections.Counter()
+            for r in part:
+                words = r["Source"].split()
+                if words:
+                    op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
+                    ops[op.split(".")[0]] += int(r.get("Instructions Executed") or 0)
+            line += "; warp instructions executed: " + ", ".join(f"{o} {v}" for o, v in ops.most_common(8))
+        return line
+
+    if split is not None:
+        lines += [part_line(f"below +{split:#x}", 0, split), part_line(f"from +{split:#x}", split, 1 << 62)]
+    lines += [part_line(f"+{lo:#x}..+{hi:#x}", lo, hi, opcodes=True) for lo, hi in ranges]
     lines.append(f"  top {top} instructions (offset from the kernel's first, share of samples, top reasons):")
     for r in sorted(rows, key=lambda r: -int(r[ALL]))[:top]:
         st = sorted(((int(r[c] or 0), c[6:]) for c in reasons), reverse=True)[:2]
