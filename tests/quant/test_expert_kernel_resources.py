@@ -18,3 +18,21 @@ def test_gluon_expert_gemm_compiles_for_hopper():
     for k in report["kernels"]:
         assert k["stack_bytes"] == 0 and k["shared_bytes"] <= HOPPER_SHARED_BYTES, k
         assert not k["wgmma_serialized"], k
+
+
+def test_the_input_gradients_default_config_is_compiled_here_and_tested_on_the_gpu():
+    """The Gluon config ``launch_dgrad`` picks by default on sm_90 is one the compile check above covers and one the
+    GPU exactness tests run (CONFIG_VARIANTS), so changing the default cannot leave it unchecked."""
+    import sys
+
+    from quant.kernels import nvfp4_moe_gemm as gemm
+    from tests.quant.test_kernels_gpu import CONFIG_VARIANTS
+
+    sys.path.insert(0, "scripts")
+    try:
+        from expert_kernel_resources import CONFIGS
+    finally:
+        sys.path.remove("scripts")
+    default = gemm.GLUON_DGRAD_CONFIG
+    assert default.get("GLUON") and ("dgrad", default) in CONFIG_VARIANTS.values()
+    assert {k: v for k, v in default.items() if k != "GLUON"} in CONFIGS
