@@ -16,24 +16,21 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from msa_kernel_resources import compile_report  # noqa: E402
+from msa_kernel_resources import compile_report, tma_descriptor_type  # noqa: E402
 
 # the configs scripts/bench_expert_gemm.py --variants times (and tests/quant/test_kernels_gpu.py checks)
 CONFIGS = [dict(BM=64), dict(BM=128), dict(BM=128, DW=8, DREGS=96), dict(BM=256), dict(BM=256, DW=8, DREGS=64)]
 
 
 def main():
-    from triton.experimental.gluon import language as gl
-
     from quant.kernels import nvfp4_moe_gluon as g
 
     rows = []
     for dgrad in (True, False):
         for cfg in CONFIGS:
             c = g.ws_config(cfg)
-            layout = gl.NVMMASharedLayout.get_default_for([c["BM"], c["BR"]], gl.bfloat16)
-            types = {"in_desc": f"tensordesc<bf16[{c['BM']}, {c['BR']}],{layout!r}>", "w_ptr": "*i32",
-                     "s_ptr": "*u8", "gs_ptr": "*fp32", "off_ptr": "*i64", "out_ptr": "*bf16"}
+            types = {"in_desc": tma_descriptor_type(c["BM"], c["BR"]), "w_ptr": "*i32", "s_ptr": "*u8",
+                     "gs_ptr": "*fp32", "off_ptr": "*i64", "out_ptr": "*bf16"}
             constexprs = dict(E_P2=128, BM=c["BM"], BO=c["BO"], BR=c["BR"], S=c["S"], DGRAD=dgrad, DW=c["DW"],
                               DREGS=c["DREGS"])
             report = compile_report(g._gemm_ws, types, constexprs, c["WARPS"], 1, maxnreg=g.ws_maxnreg(c),

@@ -27,6 +27,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 DIVISIBLE_INTS = ("T", "NKB", "NE")
 
 
+def tma_descriptor_type(rows: int, cols: int) -> str:
+    """The signature type of a TMA descriptor argument: bf16 boxes of rows x cols in the default NVMMA shared layout
+    (what TensorDescriptor.from_tensor(t, [rows, cols], that layout) passes at a launch)."""
+    from triton.experimental.gluon import language as gl
+
+    layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
+    return f"tensordesc<bf16[{rows}, {cols}],{layout!r}>"
+
+
 def compile_report(fn, types, constexprs, num_warps, num_stages, arch=90, divisible=DIVISIBLE_INTS, maxnreg=None):
     """Compile `fn` for sm_<arch> as a launch would (alignment hints: pointers and the int arguments named in
     `divisible`; `maxnreg` as the launch passes it); registers / stack / static shared from cuobjdump, dynamic shared
@@ -114,10 +123,9 @@ def main():
     types = {**i32, **bf16, **f32, "ids_ptr": "*i64", "order_ptr": "*i64", "idx_ptr": "*i64", "qk_scale": "fp32",
              "scale": "fp32"}
     (ftm, fbm), (btm, bbm) = mbo.tile_shape(a.fwd_rows, g), mbo.tile_shape(a.bwd_rows, g)
-    from triton.experimental.gluon import language as gl
 
-    def desc(rows):  # the type of a TMA descriptor argument: bf16 boxes of `rows` x head-dim, NVMMA layout
-        return f"tensordesc<bf16[{rows}, {a.dim}],{gl.NVMMASharedLayout.get_default_for([rows, a.dim], gl.bfloat16)!r}>"
+    def desc(rows):  # TMA boxes of `rows` x head-dim
+        return tma_descriptor_type(rows, a.dim)
 
     ws_fwd_desc = dict(q_desc=desc(g), k_desc=desc(128), v_desc=desc(128), o_desc=desc(g), o_tile_desc=desc(64))
     rows = [

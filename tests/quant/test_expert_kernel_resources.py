@@ -5,8 +5,12 @@ and keep its MMAs asynchronous (ptxas reports C7514 when it serializes them). It
 (tests/quant/test_kernels_gpu.py, *_gluon_*)."""
 
 import json
+import sys
+from pathlib import Path
 
 from tests.triton_interpreter import run_with_triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 HOPPER_SHARED_BYTES = 227 * 1024  # per block, opt-in maximum on sm_90
 
@@ -23,16 +27,11 @@ def test_gluon_expert_gemm_compiles_for_hopper():
 def test_the_input_gradients_default_config_is_compiled_here_and_tested_on_the_gpu():
     """The Gluon config ``launch_dgrad`` picks by default on sm_90 is one the compile check above covers and one the
     GPU exactness tests run (CONFIG_VARIANTS), so changing the default cannot leave it unchecked."""
-    import sys
-
     from quant.kernels import nvfp4_moe_gemm as gemm
     from tests.quant.test_kernels_gpu import CONFIG_VARIANTS
 
-    sys.path.insert(0, "scripts")
-    try:
-        from expert_kernel_resources import CONFIGS
-    finally:
-        sys.path.remove("scripts")
+    from expert_kernel_resources import CONFIGS  # scripts/, on the path (as tests/rl/test_cuda_memory_peak.py does)
+
     default = gemm.GLUON_DGRAD_CONFIG
     assert default.get("GLUON") and ("dgrad", default) in CONFIG_VARIANTS.values()
     assert {k: v for k, v in default.items() if k != "GLUON"} in CONFIGS
