@@ -12,6 +12,7 @@ import torch
 from m3.config import resolve_text_config
 from quant.checkpoint import MXFP8Weight, NVFP4Weight
 from rl.model.synthetic_base import SyntheticCheckpoint
+from tests.rl.test_train_torchrun import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
@@ -38,12 +39,13 @@ def test_synthetic_checkpoint_serves_formats_deterministically():
 
 def _launch(tmp_path, *extra):
     out = tmp_path / f"step{len(extra)}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29531",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            str(ROOT / "scripts" / "train_step_m3.py"), "--device", "cpu", "--layers", "2", "--seq-len", "260",
            "--seqs-per-rank", "2", "--steps", "1", "--override", json.dumps(SMALL), "--out", str(out), *extra]
-    p = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
+    # faulthandler: an abort prints every thread's Python stack (an abort at exit showed none: it was in C++)
+    p = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1"),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-1500:] + p.stderr[-3000:]
     return json.loads(out.read_text())
 
 
