@@ -12,8 +12,10 @@ Each case reports the median (and min/max) over --repeats timed runs after --war
 - useful TFLOP/s: the attention FLOPs on the keys each query attends to (its selected blocks, causal; dense: every
   earlier key), 4*D per (query head, key) forward and 3.5x that forward+backward (2 + 5 matmuls), over the time;
 - --sweep LENGTHS: block-outer tile/launch variants (rl.model.msa_block_outer.Config) timed fwd (forward fields) or
-  fwd+bwd (backward fields) at those lengths, single sequence;
+  fwd+bwd (backward fields, and back to back with --back-to-back) at those lengths, single sequence;
 - --profile LENGTHS: GPU time per kernel of one fwd+bwd (torch.profiler), single sequence;
+- --trace LENGTHS: Chrome traces (host ops, CUDA runtime calls, GPU kernels; one more with Python frames) of one
+  fwd+bwd and of 3 back to back, single sequence, gzipped beside --out: where the GPU waits for the host;
 - --back-to-back N: also msa and sdpa fwd+bwd timed as N calls in a row between the events, per call (*_b2b): the
   host work of one call then overlaps the GPU work of the previous one, as in a model's layers (no sync inside).
 Index q/k are built so neighbouring queries mostly agree (a per-64-token topic plus noise), like real text.
@@ -50,8 +52,10 @@ from rl.model import msa  # noqa: E402
 # fwd, 22.78 vs 23.56 fwd+bwd at 32K; 256-token items (24.96), the dense prefix through SDPA (25.60; 4.59 vs 3.33 at
 # 4K): run46. Both defaults against the kernels they replaced (run47): fwd+bwd 22.44 vs 23.40 (_fwd_gluon) vs 24.39
 # (_fwd_gluon and _bwd_gluon) ms at 32K, 44.61 / 48.96 / 48.97 at 64K, 3.18 / 3.18 / 3.35 at 4K.
-SWEEP_FWD = [dict(), dict(fwd_kernel="gluon")]
-SWEEP_BWD = [dict(), dict(fwd_kernel="gluon"), dict(fwd_kernel="gluon", bwd_kernel="gluon")]
+# With the host tables cached per batch layout (run60): the dense prefix through SDPA (3.46 vs 2.88 ms at 4K, 24.17 vs
+# 22.21 at 32K) and 256-token items (2.97, 24.13) again slower.
+SWEEP_FWD = [dict()]
+SWEEP_BWD = [dict(), dict(dense_prefix_min=128), dict(item_tokens=256)]
 
 
 def parse_args():
@@ -74,6 +78,7 @@ def parse_args():
     p.add_argument("--sweep", default="", help="lengths at which to time block-outer variants, comma separated")
     p.add_argument("--back-to-back", type=int, default=0, help="also time N fwd+bwd calls in a row (0: off)")
     p.add_argument("--profile", default="", help="lengths at which to list fwd+bwd kernel times (torch.profiler)")
+    p.add_argument("--trace", default="", help="lengths at which to write Chrome traces of fwd+bwd (next to --out)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="also write the JSON here")
@@ -216,8 +221,12 @@ def sweep(total, args, device, dtype, gen):
                 out = mbo.sparse_attention(q, k, v, ids, cu, args.dim ** -0.5, cfg)
                 if not forward_only:
                     torch.autograd.grad(out, (q, k, v), grad_out)
+        n = args.back_to_back
         try:
             t = timed(fn, 1, args.repeats, device)
+            if n > 0 and not forward_only:
+                b2b = timed(lambda: [fn() for _ in range(n)], 1, args.repeats, device)
+                t["b2b_median_ms"] = b2b["median_ms"] / n
         except Exception as exc:  # noqa: BLE001 (a config that does not compile or fit is a result too)
             t = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         rows.append({"tokens": total, "timed": "fwd" if forward_only else "fwd_bwd", **fields, **t})
@@ -225,10 +234,8 @@ def sweep(total, args, device, dtype, gen):
     return rows
 
 
-def profile(total, args, device, dtype, gen):
-    """GPU time per kernel of one fwd+bwd (mean of 3), single sequence: where the time goes."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-
+def single_fwd_bwd(total, args, device, dtype, gen):
+    """fn() running one fwd+bwd of --impl on a single sequence of `total` tokens (its inputs built once)."""
     _, cu, index_q, index_k, q, k, v = make_case(total, 1, args, device, dtype, gen)
     ids = msa.select_blocks(index_q, index_k, cu, args.topk, args.init_blocks, args.local_blocks)
     grad_out = torch.randn(total, args.hq, args.dim, device=device, dtype=dtype)
@@ -236,6 +243,14 @@ def profile(total, args, device, dtype, gen):
     def fn():
         out = msa.sparse_attention(q, k, v, ids, cu, impl=args.impl, validate=False)
         torch.autograd.grad(out, (q, k, v), grad_out)
+    return fn
+
+
+def profile(total, args, device, dtype, gen):
+    """GPU time per kernel of one fwd+bwd (mean of 3), single sequence: where the time goes."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    fn = single_fwd_bwd(total, args, device, dtype, gen)
     fn()
     torch.cuda.synchronize()
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -262,6 +277,34 @@ def profile(total, args, device, dtype, gen):
     return {"tokens": total, "kernels_ms_total": sum(r["ms"] for r in rows), "kernels": rows[:25],
             "span_ms": (end - spans[0][0]) / 1e3 / 3 if spans else None,
             "idle_ms": sum(g["us"] for g in gaps) / 1e3 / 3, "largest_gaps": gaps[:8]}
+
+
+def trace(total, args, device, dtype, gen, out_dir):
+    """Chrome traces of fwd+bwd after warm-up, single sequence: one call and 3 back to back with host ops, CUDA
+    runtime calls and kernels, and one call with Python frames too (the profiler's own cost inflates that one)."""
+    import gzip
+    import shutil
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    fn = single_fwd_bwd(total, args, device, dtype, gen)
+    for _ in range(3):
+        fn()
+    paths = []
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for name, calls, stack in (("single", 1, False), ("b2b3", 3, False), ("single_stack", 1, True)):
+        sync()
+        with torch_profile(activities=activities, with_stack=stack) as prof:
+            for _ in range(calls):
+                fn()
+            sync()
+        path = os.path.join(out_dir, f"trace_{total}_{name}.json")
+        prof.export_chrome_trace(path)
+        with open(path, "rb") as src, gzip.open(path + ".gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(path)
+        paths.append(path + ".gz")
+    return paths
 
 
 def table(report):
@@ -320,6 +363,10 @@ def main():
             report.setdefault("profile", []).append(profile(total, args, device, dtype, gen))
         except Exception as exc:  # noqa: BLE001 (the timings above stand without it)
             report["profile_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    for total in (int(x) for x in args.trace.split(",") if x):
+        out_dir = os.path.dirname(os.path.abspath(args.out or "."))
+        os.makedirs(out_dir, exist_ok=True)
+        report.setdefault("traces", []).extend(trace(total, args, device, dtype, gen, out_dir))
     text = json.dumps(report, indent=2)
     print(text)
     print(table(report))

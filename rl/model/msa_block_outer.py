@@ -25,10 +25,10 @@ On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1; tests onl
 The plan (`build_plan`) never waits for the device: the grid is a host-computed bound on the number of items, the
 tail of the item tables is empty rows, launched last, whose programs do no work.
 
-Measured on one H200 (results/gpu/run47, issue18_targets.json; 64 q / 4 KV heads, d 128, top-16, bf16): fwd 8.3 ms,
-fwd+bwd 23.3 ms at 32K tokens (22.3 per call back to back, as between a model's layers; per-token kernels 99 ms,
-dense causal SDPA 113 ms), 44.8 ms at 64K (SDPA 447 ms); faster than SDPA from 8K tokens (single sequence), 1.5x
-slower at 4K (1.18x back to back). On Hopper the forward and backward are the warp-specialized Gluon kernels of
+Measured on one H200 (results/gpu/run60, issue18_targets.json; 64 q / 4 KV heads, d 128, top-16, bf16): fwd 8.2 ms,
+fwd+bwd 22.2 ms at 32K tokens (22.0-22.3 per call back to back, as between a model's layers; per-token kernels 99
+ms, dense causal SDPA 113 ms), 45.0 ms at 64K (SDPA 449 ms); faster than SDPA from 8K tokens (single sequence), 1.3x
+slower at 4K (1.12x back to back). On Hopper the forward and backward are the warp-specialized Gluon kernels of
 rl.model.msa_block_outer_gluon_ws (5.0 and 10.4 ms at 32K; the unspecialized `_fwd_gluon` / `_bwd_gluon` of
 rl.model.msa_block_outer_gluon and this file's Triton `_fwd` / `_bwd` run where those tiles do not fit, and on
 request, Config.fwd_kernel / bwd_kernel); the merge and dQ sum 4.6 ms (at bandwidth: the cost of the partials), the
@@ -38,6 +38,7 @@ plan 0.3 ms of GPU time.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -263,11 +264,17 @@ def _kernels(q, k, config) -> Config:
     """Config.fwd_kernel / bwd_kernel resolved for these inputs: on Hopper in bf16/fp16 what was asked for, 'auto'
     being the warp-specialized Gluon kernel where its tiles fit (ws_fits, else 'gluon'); elsewhere 'triton'; and
     dq_store 'tma' only where ws_fits allows it. A Gluon request that cannot run fails here, before any work."""
-    hopper = (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
-              and torch.cuda.get_device_capability(q.device)[0] == 9)
-    g = q.shape[1] // k.shape[1]
+    return _resolve(q.device, q.dtype, q.shape[1] // k.shape[1], q.shape[2], config)
+
+
+@functools.lru_cache(maxsize=64)
+def _resolve(device, dtype, g: int, dim: int, config: Config) -> Config:
+    """`_kernels` per (device, dtype, G, D, config): the same answer for every layer (the device query alone is tens
+    of microseconds of host time a call)."""
+    hopper = (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+              and torch.cuda.get_device_capability(device)[0] == 9)
     ws = ws_fits(config, g)
-    fits = {"fwd_kernel": (_fwd_gluon is not None and hopper and q.shape[2] == 128
+    fits = {"fwd_kernel": (_fwd_gluon is not None and hopper and dim == 128
                            and tile_shape(config.fwd_rows, g)[1] in (64, 128)),
             "bwd_kernel": (_bwd_gluon is not None and hopper and config.bwd_keys == BLOCK and config.dq == "partial")}
     needs = {"fwd_kernel": "64- or 128-row tiles, head dim 128", "bwd_kernel": "bwd_keys=128, dq='partial'"}

@@ -24,6 +24,8 @@ tests hold both to the fp32 reference's bounds; make test compiles these for sm_
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from rl.model.msa_block_outer_gluon import gluon
@@ -54,8 +56,15 @@ WS_FWD = dict(S=4, num_warps=4, maxnreg=168)
 
 def _descriptor(t, box):
     """A TMA descriptor over the 2-D tensor t, `box`-shaped copies in the kernels' NVMMA shared layout."""
-    dt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[t.dtype]
-    return TensorDescriptor.from_tensor(t, list(box), gl.NVMMASharedLayout.get_default_for(list(box), dt))
+    return TensorDescriptor.from_tensor(t, list(box), _layout(tuple(box), t.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _layout(box: tuple, dtype: torch.dtype):
+    """The NVMMA shared layout of `box` tiles, computed once (a constexpr-function call each time otherwise; seven
+    descriptors per fwd+bwd)."""
+    dt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(box), dt)
 
 
 def dq_descriptors(dq_part, g: int, rows: int):

@@ -10,6 +10,7 @@ torch ops build the same tables (`_plan_torch`; the interpreter tests compare th
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -122,29 +123,37 @@ def _host_tables(bounds, topk: int, config: Config):
     return seq, kstart, kend, prefixes, nkb
 
 
-def build_plan(block_ids: torch.Tensor, cu_seqlens, config: Config = DEFAULT) -> Plan:
-    """The inverted lists, with no device->host sync (the plan is built inside every attention call; a sync there
-    drains the launch queue of the whole layer): host tables in Python, copied in one transfer; then, with Triton,
-    two kernels around one stable sort of the entries and one sort of the items (`_plan_keys`, `_plan_items`), and
-    without Triton (CPU) the same tables from torch ops (`_plan_torch`)."""
-    device = block_ids.device
-    t_count, hkv, topk = block_ids.shape
-    bounds = seq_bounds(cu_seqlens)
-    seq, kstart, kend, prefixes, nkb = _host_tables(bounds, topk, config)
-    nseq, ne = len(seq), t_count * hkv * topk
-    n_max = hkv * nkb + -(-ne // config.item_tokens)  # each key adds < 1 item to its share of ceil(NE / item_tokens)
+@functools.lru_cache(maxsize=16)
+def _device_tables(bounds: tuple, t_count: int, topk: int, dense_prefix_min: int, device: torch.device):
+    """`_host_tables` on the device, once per batch layout: every layer of a step (and its backward) has the same one,
+    and pinning + copying them was the largest host cost of a call (results/gpu/run57 traces: ~0.5 ms of the ~1 ms
+    before the first kernel). Read-only: kernels and index ops read them, nothing writes them."""
+    seq, kstart, kend, prefixes, nkb = _host_tables(bounds, topk, Config(dense_prefix_min=dense_prefix_min))
     host = to_device([x for row in seq for x in row] + kstart + kend, device, torch.int32)
-    seq_d, kstart_d, kend_d = host.split([3 * nseq, nkb, nkb])
-    if triton is not None:
-        tables = _plan_triton(block_ids, seq_d, nseq, nkb, n_max, config)
-    else:
-        tables = _plan_torch(block_ids, seq_d, nseq, nkb, n_max, config)
-    gid, pos, entries, item_key, lo, hi, order, key_item0 = tables
+    seq_d, kstart_d, kend_d = host.split([3 * len(seq), nkb, nkb])
     dense_row, dense_idx = None, torch.empty(0, dtype=torch.int64, device=device)
     if prefixes:
         dense_idx = to_device([i for s, p in prefixes for i in range(s, s + p)], device)  # <= topk*128 per sequence
         dense_row = torch.full((t_count,), -1, dtype=torch.int32, device=device)
         dense_row[dense_idx] = torch.arange(len(dense_idx), dtype=torch.int32, device=device)
+    return seq_d, len(seq), kstart_d, kend_d, prefixes, nkb, dense_row, dense_idx
+
+
+def build_plan(block_ids: torch.Tensor, cu_seqlens, config: Config = DEFAULT) -> Plan:
+    """The inverted lists, with no device->host sync (the plan is built inside every attention call; a sync there
+    drains the launch queue of the whole layer): host tables in Python, copied in one transfer once per batch layout
+    (`_device_tables`); then, with Triton, two kernels around one stable sort of the entries and one sort of the items
+    (`_plan_keys`, `_plan_items`), and without Triton (CPU) the same tables from torch ops (`_plan_torch`)."""
+    t_count, hkv, topk = block_ids.shape
+    seq_d, nseq, kstart_d, kend_d, prefixes, nkb, dense_row, dense_idx = _device_tables(
+        tuple(seq_bounds(cu_seqlens)), t_count, topk, config.dense_prefix_min, block_ids.device)
+    ne = t_count * hkv * topk
+    n_max = hkv * nkb + -(-ne // config.item_tokens)  # each key adds < 1 item to its share of ceil(NE / item_tokens)
+    if triton is not None:
+        tables = _plan_triton(block_ids, seq_d, nseq, nkb, n_max, config)
+    else:
+        tables = _plan_torch(block_ids, seq_d, nseq, nkb, n_max, config)
+    gid, pos, entries, item_key, lo, hi, order, key_item0 = tables
     return Plan(entries, item_key, lo, hi, order, key_item0, kstart_d, kend_d, gid, pos, dense_row, dense_idx,
                 prefixes, nkb, n_max)
 
