@@ -16,9 +16,10 @@
 #                         SwiGLU and add-norm backward kernels (test_swiglu_triton.py, test_lean_triton.py)
 #   block_tests           pytest -m gpu: the block-outer MSA kernels alone (tests/rl/model/test_msa_block_outer.py)
 #   msa_tests             pytest -m gpu: the MSA kernels (block-outer, per-token, flex) and the trainer fast-paths test
-#   ncu_msa[:LEN]         Nsight Compute (--set full, clocks left alone) on the Gluon MSA forward and backward of one
-#                         fwd+bwd at LEN tokens (default 32768): its details and per-SASS-instruction pages as text,
-#                         in $OUT/ncu_msa.tgz (the report itself, ~13 MB, is not kept)
+#   ncu_msa[:LEN[:RE]]    Nsight Compute (--set full, clocks left alone) on the Gluon MSA forward and backward of one
+#                         fwd+bwd at LEN tokens (default 32768), or the first 3 kernels matching the regex RE (e.g.
+#                         _(merge|reduce_dq)): details and per-SASS-instruction pages as text, in $OUT/ncu_msa.tgz (the
+#                         report itself, ~13 MB, is not kept)
 #   ncu_expert[:TOKENS]   Nsight Compute (--set full, clocks left alone) on the expert GEMMs at TOKENS (default 32768):
 #                         Gluon input gradient, Triton forward, bf16 _grouped_mm both ways, each launched once
 #                         (scripts/gpu/ncu_expert.py); details and per-SASS pages as text in $OUT/ncu_expert.tgz
@@ -68,8 +69,8 @@ for step in "$@"; do
       M3RL_GPU_REPORT="$OUT/trainer_gpu.json" run msa_tests "$(lim 380)" $P -s tests/rl/model/test_msa_block_outer.py \
           tests/rl/model/test_msa_triton.py tests/rl/model/test_msa.py tests/rl/model/test_trainer_gpu.py ;;
     ncu_msa|ncu_msa:*)
-      len=${step#ncu_msa}; len=${len#:}; len=${len:-32768}
-      run ncu_msa "$(lim 240)" ncu --clock-control none --set full --import-source no -k 'regex:_(fwd|bwd)_gluon' \
+      IFS=: read -r _ len kre <<< "$step"; len=${len:-32768}; kre=${kre:-_(fwd|bwd)_gluon}
+      run ncu_msa "$(lim 240)" ncu --clock-control none --set full --import-source no -k "regex:$kre" \
           -c 3 -f -o "$OUT/ncu_msa" python3 scripts/bench_msa.py --lengths "$len" --packed 1 --warmup 0 --repeats 1 \
           --no-sdpa
       ncu_pages ncu_msa ;;
