@@ -363,8 +363,8 @@ def main():
             report.setdefault("profile", []).append(profile(total, args, device, dtype, gen))
         except Exception as exc:  # noqa: BLE001 (the timings above stand without it)
             report["profile_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    out_dir = os.path.dirname(os.path.abspath(args.out)) if args.out else os.getcwd()  # traces beside the JSON
     for total in (int(x) for x in args.trace.split(",") if x):
-        out_dir = os.path.dirname(os.path.abspath(args.out or "."))
         os.makedirs(out_dir, exist_ok=True)
         report.setdefault("traces", []).extend(trace(total, args, device, dtype, gen, out_dir))
     text = json.dumps(report, indent=2)

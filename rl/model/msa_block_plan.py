@@ -105,15 +105,15 @@ class Plan:
 _EMPTY_KEY = 2 ** 31 - 1  # launch-order key of the empty item rows: after every real one
 
 
-def _host_tables(bounds, topk: int, config: Config):
+def _host_tables(bounds, topk: int, dense_prefix_min: int):
     """Per-sequence and per-block tables from the (host) sequence bounds, in plain Python: [start, base, plen] per
-    sequence, [kstart], [kend] per global block, the dense prefixes and the block count."""
+    sequence, [kstart], [kend] per global block, the dense prefixes (Config.dense_prefix_min) and the block count."""
     seq, kstart, kend, prefixes, nkb = [], [], [], [], 0
     for s, e in bounds:
         nblk = (e - s + BLOCK - 1) // BLOCK
         # Dense prefixes: positions < topk*128 select every visible block, i.e. causal attention over the prefix.
         plen = min(e - s, topk * BLOCK)
-        plen = plen if config.dense_prefix_min > 0 and plen >= config.dense_prefix_min else 0
+        plen = plen if dense_prefix_min > 0 and plen >= dense_prefix_min else 0
         seq.append((s, nkb, plen))
         kstart += range(s, s + BLOCK * nblk, BLOCK)
         kend += [e] * nblk
@@ -128,7 +128,7 @@ def _device_tables(bounds: tuple, t_count: int, topk: int, dense_prefix_min: int
     """`_host_tables` on the device, once per batch layout: every layer of a step (and its backward) has the same one,
     and pinning + copying them was the largest host cost of a call (results/gpu/run57 traces: ~0.5 ms of the ~1 ms
     before the first kernel). Read-only: kernels and index ops read them, nothing writes them."""
-    seq, kstart, kend, prefixes, nkb = _host_tables(bounds, topk, Config(dense_prefix_min=dense_prefix_min))
+    seq, kstart, kend, prefixes, nkb = _host_tables(bounds, topk, dense_prefix_min)
     host = to_device([x for row in seq for x in row] + kstart + kend, device, torch.int32)
     seq_d, kstart_d, kend_d = host.split([3 * len(seq), nkb, nkb])
     dense_row, dense_idx = None, torch.empty(0, dtype=torch.int64, device=device)

@@ -55,7 +55,7 @@ def _plan_mismatch(ids, cu, cfg):
     from rl.model import msa_block_plan as mbp
     from rl.model.packed import seq_bounds
 
-    seq, kstart, kend, prefixes, nkb = mbp._host_tables(seq_bounds(cu), ids.shape[2], cfg)
+    seq, kstart, kend, prefixes, nkb = mbp._host_tables(seq_bounds(cu), ids.shape[2], cfg.dense_prefix_min)
     seq_d = torch.tensor([x for row in seq for x in row], dtype=torch.int32)
     n_max = ids.shape[1] * nkb + -(-ids.numel() // cfg.item_tokens)
     names = ("slot_gid", "slot_pos", "entries", "item_key", "lo", "hi", "order", "key_item0")
