@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from quant.kernels.e2m1_asm import to_pair_order  # noqa: E402
 from quant.kernels import nvfp4_dequant as nd  # noqa: E402
 from quant.kernels import nvfp4_moe as moe  # noqa: E402
 from quant.kernels import nvfp4_moe_gemm as gemm  # noqa: E402
@@ -63,7 +64,10 @@ def grouped_mm_fn(x, w, offs_end, transpose):
 
 
 # Gluon kernel configs timed by --variants / --gluon-variants at >= 4096 tokens (label, config)
-GLUON_VARIANTS = (("BM=128", dict(BM=128)), ("BM=256", dict(BM=256)), ("BM=256,DW=8", dict(BM=256, DW=8, DREGS=64)))
+# (PAIRS: the weights in e2m1_asm's pair order, to_pair_order'ed once per shape here)
+GLUON_VARIANTS = (("BM=128", dict(BM=128)), ("BM=256", dict(BM=256)), ("BM=256,DW=8", dict(BM=256, DW=8, DREGS=64)),
+                  ("BM=256,PAIRS", dict(BM=256, PAIRS=True)),
+                  ("BM=256,DW=8,PAIRS", dict(BM=256, DW=8, DREGS=64, PAIRS=True)))
 
 
 def random_weights(n, k):
@@ -133,6 +137,9 @@ def main():
     ap.add_argument("--measure-copy", action="store_true")
     ap.add_argument("--variants", action="store_true", help="also time the 'triton' decoder and alt tiles")
     ap.add_argument("--gluon-variants", action="store_true", help="also time the Gluon kernel's GLUON_VARIANTS")
+    ap.add_argument("--pairs", action="store_true",
+                    help="also time the kernels on weights in e2m1_asm's pair order (Triton 'pairs' decoder; Gluon "
+                         "PAIRS where the input gradient's default is the Gluon kernel)")
     ap.add_argument("--rep-ms", type=int, default=60)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -164,6 +171,7 @@ def main():
         bounds, gsh = offsets.tolist(), None
         for name, (n, k) in SHAPES.items():
             packed, scale, gs, wbf = weights[name]
+            pairs = to_pair_order(packed) if args.variants or args.gluon_variants or args.pairs else None
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
             wbytes = active * n * (k // 2 + k // 16)
@@ -201,6 +209,13 @@ def main():
                 for label, cfg in GLUON_VARIANTS:
                     for direction in ("fwd", "dgrad"):
                         cases.append((direction, f"nvfp4[gluon {label}]", dict(GLUON=True, **cfg), None))
+            if args.pairs or ((args.variants or args.gluon_variants) and t >= 4096):
+                # the Triton kernels with the pair-order decoder, and the Gluon default with PAIRS where it runs
+                cases.append(("fwd", "nvfp4[triton pairs]", None, "pairs"))
+                cases.append(("dgrad", "nvfp4[triton pairs]", gemm.dgrad_config(m, E), "pairs"))
+                if gemm.gluon_dgrad_default(dy, m, E):
+                    cases.append(("dgrad", "nvfp4[gluon default PAIRS]", dict(gemm.GLUON_DGRAD_CONFIG, PAIRS=True),
+                                  None))
             if args.variants and t >= 4096:
                 for bm, bn, nw, ns in ((64, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3), (256, 64, 8, 3)):
                     cases.append(("dgrad", f"nvfp4[SWAP BM={bm},BN={bn}]",
@@ -231,12 +246,12 @@ def main():
                         fn = (lambda ov=ov: nd.dequant_dgrad(dy, packed, scale, gsh, bounds, overlap=ov))
                         act = m * n * 2 + m * k * 2
                 elif direction == "fwd":
-                    fn = (lambda cfg=cfg, dec=dec: gemm.launch_fwd(x, packed, scale, gs, offsets, config=cfg,
-                                                                   decoder=dec))
+                    fn = (lambda cfg=cfg, dec=dec, w=pairs if (cfg or {}).get("PAIRS") or dec == "pairs" else packed:
+                          gemm.launch_fwd(x, w, scale, gs, offsets, config=cfg, decoder=dec))
                     act = m * k * 2 + m * n * 2
                 else:
-                    fn = (lambda cfg=cfg, dec=dec: gemm.launch_dgrad(dy, packed, scale, gs, offsets, config=cfg,
-                                                                     decoder=dec))
+                    fn = (lambda cfg=cfg, dec=dec, w=pairs if (cfg or {}).get("PAIRS") or dec == "pairs" else packed:
+                          gemm.launch_dgrad(dy, w, scale, gs, offsets, config=cfg, decoder=dec))
                     act = m * n * 2 + m * k * 2
                 try:
                     fn()

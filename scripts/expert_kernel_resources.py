@@ -19,7 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from msa_kernel_resources import compile_report, tma_descriptor_type  # noqa: E402
 
 # the configs scripts/bench_expert_gemm.py --variants times (and tests/quant/test_kernels_gpu.py checks)
-CONFIGS = [dict(BM=64), dict(BM=128), dict(BM=128, DW=8, DREGS=96), dict(BM=256), dict(BM=256, DW=8, DREGS=64)]
+CONFIGS = [dict(BM=64), dict(BM=128), dict(BM=128, DW=8, DREGS=96), dict(BM=256), dict(BM=256, DW=8, DREGS=64),
+           dict(BM=128, PAIRS=True), dict(BM=256, DW=8, DREGS=64, PAIRS=True)]
 
 
 def main():
@@ -32,7 +33,7 @@ def main():
             types = {"in_desc": tma_descriptor_type(c["BM"], c["BR"]), "w_ptr": "*i32", "s_ptr": "*u8",
                      "gs_ptr": "*fp32", "off_ptr": "*i64", "out_ptr": "*bf16"}
             constexprs = dict(E_P2=128, BM=c["BM"], BO=c["BO"], BR=c["BR"], S=c["S"], DGRAD=dgrad, DW=c["DW"],
-                              DREGS=c["DREGS"])
+                              DREGS=c["DREGS"], PAIRS=c["PAIRS"])
             report = compile_report(g._gemm_ws, types, constexprs, c["WARPS"], 1, maxnreg=g.ws_maxnreg(c),
                                     divisible=("N", "K", "KW", "KS", "stride_out"))
             rows.append(dict(report, **c, DGRAD=dgrad))

@@ -46,3 +46,65 @@ E2M1_BF16X2_ASM = """
     }
     """
 
+
+
+# Pair order: the same 8 codes of a word with their bits placed so that output register i is the bf16x2 pair of
+# codes (2i, 2i+1), the order the MMA operand and the 16-byte tile stores want, reached by one rotate per field
+# instead of two shifts per field and a byte permute (PRMT) per pair: register i = (rotl(w, a) & mags) |
+# (rotl(w, b) & signs) with (a, b) = PAIR_ROTATIONS[i]; a search over all rotations finds no order that needs fewer
+# than these 11 logic ops per word (natural order: 16, plus 4.5 PRMT). ``to_pair_order`` writes it from the serving
+# bytes (lossless, the same values); the kernels take it with config PAIRS=True.
+PAIR_ROTATIONS = ((0, 4), (3, 3), (6, 6), (9, 5))
+MAG_BITS, SIGN_BITS = 0x01C001C0, 0x80008000
+# The block scale arrives multiplied by 2^PAIRS_SCALE_UP (bf16, exact: s * 2^118 <= 448 * 2^118 < 2^127), so one
+# bf16x2 multiply turns the subnormal e2m1 * 2^-126 into e2m1 * s * 2^-8 (exact and normal: 2^-18 <= |x| <= 10.5);
+# the epilogue multiplies the fp32 accumulator by gs * 2^PAIRS_ACC_SHIFT instead of gs (a power of two: the same
+# rounding as before).
+PAIRS_SCALE_UP, PAIRS_ACC_SHIFT = 118, 8
+
+
+def _pairs_asm() -> str:
+    ops = []
+    for i, (a, b) in enumerate(PAIR_ROTATIONS):
+        rot = (lambda dst, n: f"shf.l.wrap.b32 {dst}, $8, $8, {n};" if n else f"mov.b32 {dst}, $8;")
+        if a == b:
+            ops += [rot("t0", a), f"and.b32 r{i}, t0, {MAG_BITS | SIGN_BITS:#010x};"]
+        else:
+            ops += [rot("t0", a), f"and.b32 t0, t0, {MAG_BITS:#010x};", rot("t1", b),
+                    f"and.b32 t1, t1, {SIGN_BITS:#010x};", f"or.b32 r{i}, t0, t1;"]
+    ops += [f"fma.rn.bf16x2 r{i}, r{i}, ss, nz;" for i in range(4)]
+    ops += [f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, r{i};" for i in range(4)]
+    body = "\n    ".join(["mov.b32 ss, {$9, $9};", "mov.b32 nz, 0x80008000;"] + ops)
+    return "\n    {\n    .reg .b32 t0, t1, r0, r1, r2, r3, ss, nz;\n    " + body + "\n    }\n    "
+
+
+# One 32-bit word of 8 codes in pair order and its block scale times 2^118 (bf16) in; codes 0..7 out ($0..$7) as
+# e2m1 * s * 2^-8 in bf16.
+E2M1_PAIRS_ASM = _pairs_asm()
+
+
+def _pair_bit_map() -> list[tuple[int, int]]:
+    """(serving bit, pair-order bit) for the 32 bits of a word: code j's bits 4j..4j+3 (m, e0, e1, sign) go where
+    rotl(., a) / rotl(., b) of its register brings them onto bf16 bits 6..8 / 15 of its half."""
+    out = []
+    for i, (a, b) in enumerate(PAIR_ROTATIONS):
+        for h in (0, 1):
+            j = 2 * i + h
+            out += [(4 * j + q, (6 + q + 16 * h - a) % 32) for q in range(3)]
+            out.append((4 * j + 3, (15 + 16 * h - b) % 32))
+    return out
+
+
+def to_pair_order(packed):
+    """NVFP4 packed bytes [..., K/2] (serving order: code 2j in the low nibble of byte j) -> the same codes in pair
+    order, same shape and dtype (uint8); K/2 a multiple of 4 (whole 32-bit words)."""
+    import torch
+
+    if packed.dtype != torch.uint8 or packed.shape[-1] % 4:
+        raise ValueError(f"to_pair_order: uint8 bytes with K/2 a multiple of 4, got {packed.dtype} {packed.shape}")
+    w = packed.contiguous().view(torch.int32)
+    out = torch.zeros_like(w)
+    for src, dst in _pair_bit_map():
+        bit = (w >> src) & 1
+        out |= bit << dst if dst < 31 else -bit << 31  # bit 31 as the int32 sign
+    return out.view(torch.uint8).view(packed.shape)

@@ -26,7 +26,7 @@ from quant import forms
 from quant._common import check_dtype
 from quant.kernels._triton import triton_available
 from quant.kernels.nvfp4_dequant import dequant_dgrad, dequant_fwd
-from quant.kernels.nvfp4_moe_gemm import DECODERS, gluon_dgrad_device, launch_dgrad, launch_fwd
+from quant.kernels.nvfp4_moe_gemm import gluon_dgrad_device, launch_dgrad, launch_fwd
 
 __all__ = [
     "expert_offsets",
@@ -197,12 +197,12 @@ def nvfp4_moe_linear(
     backward (kept from a plain forward they would stay until backward: 14.5 GB per M3 layer).
     """
     _check(x, packed, scale, global_scale, offsets)
-    if not (x.is_cuda and triton_available()):
-        return nvfp4_moe_linear_reference(x, packed, scale, global_scale, offsets)
-    if decoder is not None and decoder not in DECODERS:
-        raise ValueError(f"unknown decoder {decoder!r}; expected one of {tuple(DECODERS)}")
+    if decoder is not None and decoder not in ("asm", "triton"):  # DECODERS' "pairs" reads a different layout
+        raise ValueError(f"unknown decoder {decoder!r}; expected 'asm' or 'triton'")
     if impl not in (None, "kernel", "dequant"):
         raise ValueError(f"unknown impl {impl!r}; expected 'kernel', 'dequant' or None")
+    if not (x.is_cuda and triton_available()):
+        return nvfp4_moe_linear_reference(x, packed, scale, global_scale, offsets)
     gs = global_scale.reshape(-1).to(device=x.device, dtype=torch.float32).contiguous()
     offsets = offsets.to(device=x.device, dtype=torch.int32).contiguous()
     return _NVFP4MoELinear.apply(x.to(torch.bfloat16), packed, scale, gs, offsets, config, decoder, impl, host,

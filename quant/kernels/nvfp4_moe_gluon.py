@@ -31,13 +31,20 @@ decoded pair with the 2^126 folded into the scale (run39); loading the packed wo
 (run50); the decode warps issuing the input TMA in place of a load warp, and 128 x 256 tiles (64x256 wgmma; ptxas
 checks its 128 accumulator registers against the launch cap, so that needs no load warp), 1.3x slower at 32K
 tokens (run51: the decode per MMA doubles).
+
+PAIRS (opt-in, config ``PAIRS=True``, the weights in ``e2m1_asm``'s pair order): the decode warps' loop drops from 173
+to 143 SASS instructions per step (no byte permutes, one multiply per pair). Measured beside the default in the same
+calls (runs 65-67, 32K tokens, input gradient): 29.28 vs 30.04, 28.68 vs 30.72 ms; 4K-16K within noise. So the
+decode's instruction count is not what holds the kernel at ~0.8x bf16: Nsight Compute (run67) puts the MMA partition
+at 65% tensor-pipe busy with a third of all stall samples on barriers (the per-step partition syncs). Not the default:
+the trainer stores the serving order, and at its rows per expert the input gradient takes decode + cuBLAS anyway.
 """
 
 import functools
 
 import torch
 
-from quant.kernels.e2m1_asm import E2M1_BF16X2_ASM
+from quant.kernels.e2m1_asm import E2M1_BF16X2_ASM, E2M1_PAIRS_ASM, PAIRS_ACC_SHIFT, PAIRS_SCALE_UP
 
 try:
     from triton.experimental import gluon
@@ -52,6 +59,9 @@ except ImportError:  # CPU installs without Triton, or a Triton without Gluon
 
 if gluon is not None:
     _ASM = gl.constexpr(E2M1_BF16X2_ASM)
+    _ASM_PAIRS = gl.constexpr(E2M1_PAIRS_ASM)
+    _SCALE_UP = gl.constexpr(2.0 ** PAIRS_SCALE_UP)
+    _ACC_SHIFT = gl.constexpr(2.0 ** PAIRS_ACC_SHIFT)
 
     @gluon.jit
     def _add(a, b):
@@ -86,11 +96,17 @@ if gluon is not None:
         return p, s
 
     @gluon.jit
-    def _decode(p, s, WR: gl.constexpr, WC: gl.constexpr):
+    def _decode(p, s, WR: gl.constexpr, WC: gl.constexpr, PAIRS: gl.constexpr):
         # int32 words [WR, WC/8] and their scale bytes -> bf16 [WR, WC], code j of a word at column 8 * word + j.
-        sb = s.to(gl.float8e4nv, bitcast=True).to(gl.bfloat16)
+        # PAIRS: words in e2m1_asm's pair order, decoded to e2m1 * s * 2^-8 (one multiply per pair, no byte permutes).
+        if PAIRS:
+            sb = (s.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _SCALE_UP).to(gl.bfloat16)
+            asm: gl.constexpr = _ASM_PAIRS
+        else:
+            sb = s.to(gl.float8e4nv, bitcast=True).to(gl.bfloat16)
+            asm: gl.constexpr = _ASM
         n0, n1, n2, n3, n4, n5, n6, n7 = gl.inline_asm_elementwise(
-            _ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [p, sb],
+            asm, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [p, sb],
             dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16,
                    gl.bfloat16), is_pure=True, pack=1)
         t = gl.join(gl.join(gl.join(n0, n4), gl.join(n2, n6)), gl.join(gl.join(n1, n5), gl.join(n3, n7)))
@@ -119,7 +135,7 @@ if gluon is not None:
 
     @gluon.jit
     def _ws_decode(w_ptr, s_ptr, w_s, ready, empty, e, o0, n_steps, N, K, KW, KS, DGRAD: gl.constexpr,
-                   DW: gl.constexpr):
+                   DW: gl.constexpr, PAIRS: gl.constexpr):
         # Each step's weight tile decoded into the ring; the next step's packed words load while this one decodes.
         S: gl.constexpr = w_s.type.shape[0]
         WR: gl.constexpr = w_s.type.shape[1]
@@ -133,7 +149,7 @@ if gluon is not None:
         p, s = _step_words(w_ptr, s_ptr, e64, o0, 0, N, K, KW, KS, WR, WC, DGRAD, lw)
         for i in range(n_steps):
             b = i % S
-            w = _decode(p, s, WR, WC)
+            w = _decode(p, s, WR, WC, PAIRS)
             p, s = _step_words(w_ptr, s_ptr, e64, o0, i + 1, N, K, KW, KS, WR, WC, DGRAD, lw)
             mbarrier.wait(empty.index(b), ((i // S) & 1) ^ 1)
             w_s.index(b).store(w)
@@ -167,7 +183,8 @@ if gluon is not None:
     @gluon.jit
     def _gemm_ws(in_desc, w_ptr, s_ptr, gs_ptr, off_ptr, out_ptr, N, K, E, KW, KS, stride_out,
                  E_P2: gl.constexpr, BM: gl.constexpr, BO: gl.constexpr, BR: gl.constexpr, S: gl.constexpr,
-                 DGRAD: gl.constexpr, DW: gl.constexpr, DREGS: gl.constexpr, num_warps: gl.constexpr):
+                 DGRAD: gl.constexpr, DW: gl.constexpr, DREGS: gl.constexpr, PAIRS: gl.constexpr,
+                 num_warps: gl.constexpr):
         # out tile [BM, BO] = in[BM, R] @ B[R, BO]; the weight tile in shared memory is [W rows, W cols].
         WR: gl.constexpr = BR if DGRAD else BO
         WC: gl.constexpr = BO if DGRAD else BR
@@ -196,9 +213,10 @@ if gluon is not None:
             acc, = gl.warp_specialize([
                 (_ws_mma, (in_s, w_s, in_ready, w_ready, empty, n_steps, DGRAD, num_warps)),
                 (_ws_load, (in_desc, in_s, in_ready, empty, row0.to(gl.int32), n_steps)),
-                (_ws_decode, (w_ptr, s_ptr, w_s, w_ready, empty, e, o0, n_steps, N, K, KW, KS, DGRAD, DW)),
+                (_ws_decode, (w_ptr, s_ptr, w_s, w_ready, empty, e, o0, n_steps, N, K, KW, KS, DGRAD, DW, PAIRS)),
             ], [1, DW], [24, DREGS])
-            out = gl.convert_layout((acc * gl.load(gs_ptr + e)).to(gl.bfloat16), ld)
+            gsc = gl.load(gs_ptr + e) * _ACC_SHIFT if PAIRS else gl.load(gs_ptr + e)
+            out = gl.convert_layout((acc * gsc).to(gl.bfloat16), ld)
             rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, ld))
             cols = o0 + gl.arange(0, BO, layout=gl.SliceLayout(0, ld))
             gl.store(out_ptr + rows.to(gl.int64)[:, None] * stride_out + cols[None, :], out,
@@ -222,7 +240,7 @@ def ws_config(cfg: dict) -> dict:
     (4 or 8; 8 at BM=256), DW decode warps (4 or 8) with DREGS registers each (default 128 for 4, 64 for 8)."""
     bm = cfg.get("BM", 128)
     out = dict(BM=bm, BO=cfg.get("BO", 128), BR=cfg.get("BR", 64), S=cfg.get("S", 4),
-               WARPS=cfg.get("WARPS", 8 if bm == 256 else 4), DW=cfg.get("DW", 4))
+               WARPS=cfg.get("WARPS", 8 if bm == 256 else 4), DW=cfg.get("DW", 4), PAIRS=bool(cfg.get("PAIRS")))
     out["DREGS"] = cfg.get("DREGS", 128 if out["DW"] == 4 else 64)  # 64: 8 decode warps beside 8 MMA warps
     if bm not in (64, 128, 256) or out["BR"] != 64 or out["WARPS"] not in (4, 8) or out["DW"] not in (4, 8):
         raise ValueError(f"nvfp4 expert GEMM GLUON config {out}: BM 64/128/256, BR 64, WARPS 4/8, DW 4/8")
@@ -255,6 +273,6 @@ def launch_gluon(inp, packed, scale, gs, offsets, out, cfg, dgrad: bool):
     grid = ((triton.cdiv(m, c["BM"]) + e) * triton.cdiv(o_cols, c["BO"]),)
     _gemm_ws[grid](desc, words, scale.contiguous().view(torch.uint8), gs, offsets, out, n, k, e, words.shape[-1],
                    k // 16, out.stride(0), E_P2=triton.next_power_of_2(e), BM=c["BM"], BO=c["BO"], BR=c["BR"],
-                   S=c["S"], DGRAD=dgrad, DW=c["DW"], DREGS=c["DREGS"], num_warps=c["WARPS"],
+                   S=c["S"], DGRAD=dgrad, DW=c["DW"], DREGS=c["DREGS"], PAIRS=c["PAIRS"], num_warps=c["WARPS"],
                    maxnreg=ws_maxnreg(c))
     return out

@@ -20,8 +20,9 @@
 #                         fwd+bwd at LEN tokens (default 32768), or the first 3 kernels matching the regex RE (e.g.
 #                         _(merge|reduce_dq)): details and per-SASS-instruction pages as text, in $OUT/ncu_msa.tgz (the
 #                         report itself, ~13 MB, is not kept)
-#   ncu_expert[:TOKENS]   Nsight Compute (--set full, clocks left alone) on the expert GEMMs at TOKENS (default 32768):
-#                         Gluon input gradient, Triton forward, bf16 _grouped_mm both ways, each launched once
+#   ncu_expert[:TOKENS[:pairs]]  Nsight Compute (--set full, clocks left alone) on the expert GEMMs at TOKENS (default
+#                         32768): Gluon input gradient (with pairs: also on pair-order weights), Triton forward, bf16
+#                         _grouped_mm both ways, each launched once
 #                         (scripts/gpu/ncu_expert.py); details and per-SASS pages as text in $OUT/ncu_expert.tgz
 #   bench_msa[:ARGS]      scripts/bench_msa.py (4K-64K, 1 and 4 sequences, vs dense SDPA) with extra ARGS, '+' for
 #                         spaces (e.g. bench_msa:--compare+triton+--sweep+32768); JSON to $OUT/bench_msa.json
@@ -75,9 +76,10 @@ for step in "$@"; do
           --no-sdpa
       ncu_pages ncu_msa ;;
     ncu_expert|ncu_expert:*)
-      tok=${step#ncu_expert}; tok=${tok#:}; tok=${tok:-32768}
+      IFS=: read -r _ tok pairs <<< "$step"; tok=${tok:-32768}
       run ncu_expert "$(lim 240)" ncu --clock-control none --set full --import-source no --profile-from-start off \
-          -f -o "$OUT/ncu_expert" python3 scripts/gpu/ncu_expert.py --tokens "$tok"
+          -f -o "$OUT/ncu_expert" python3 scripts/gpu/ncu_expert.py --tokens "$tok" \
+          ${pairs:+--pairs}
       ncu_pages ncu_expert ;;
     bench_msa|bench_msa:*)
       extra=${step#bench_msa}; extra=${extra#:}

@@ -17,8 +17,10 @@ HOPPER_SHARED_BYTES = 227 * 1024  # per block, opt-in maximum on sm_90
 
 def test_gluon_expert_gemm_compiles_for_hopper():
     report = json.loads(run_with_triton("scripts/expert_kernel_resources.py", interpret=False))
-    assert {(k["BM"], k["DW"], k["DGRAD"]) for k in report["kernels"]} == {
-        (bm, dw, dgrad) for bm, dw in ((64, 4), (128, 4), (128, 8), (256, 4), (256, 8)) for dgrad in (True, False)}
+    assert {(k["BM"], k["DW"], k["PAIRS"], k["DGRAD"]) for k in report["kernels"]} == {
+        (bm, dw, pairs, dgrad) for bm, dw, pairs in ((64, 4, False), (128, 4, False), (128, 8, False), (256, 4, False),
+                                                     (256, 8, False), (128, 4, True), (256, 8, True))
+        for dgrad in (True, False)}
     for k in report["kernels"]:
         assert k["stack_bytes"] == 0 and k["shared_bytes"] <= HOPPER_SHARED_BYTES, k
         assert not k["wgmma_serialized"], k

@@ -22,6 +22,7 @@ import torch
 from quant import forms, mxfp8
 from quant.kernels import nvfp4_moe as moe
 from quant.kernels import nvfp4_moe_gemm as gemm
+from quant.kernels.e2m1_asm import to_pair_order
 from quant.kernels.mxfp8_linear import _fused_dgrad, _fused_fwd, mxfp8_dequantize, mxfp8_linear
 
 pytestmark = pytest.mark.gpu
@@ -122,15 +123,16 @@ def _check_moe(x, packed, scale, gs, offsets, decoder, what):
     n = packed.shape[1]
     ref = _ref_fwd(x, packed, scale, gs, offsets)
     absref = _ref_fwd(x.abs(), *_abs_stack(packed, scale), gs, offsets)
+    w = to_pair_order(packed) if decoder == "pairs" else packed  # the references read the serving order
     out = torch.full((x.shape[0], n), float("nan"), dtype=BF16, device=DEV)
-    y = gemm.launch_fwd(x, packed, scale, gs, offsets, out=out, decoder=decoder)
+    y = gemm.launch_fwd(x, w, scale, gs, offsets, out=out, decoder=decoder)
     torch.cuda.synchronize()
     fwd = _assert_bound(y, ref, absref, k, f"{what} fwd")
     dy = torch.randn(x.shape[0], n, device=DEV, dtype=BF16)
     ref_dx = _ref_dgrad(dy, packed, scale, gs, offsets)
     abs_dx = _ref_dgrad(dy.abs(), *_abs_stack(packed, scale), gs, offsets)
     out = torch.full(x.shape, float("nan"), dtype=BF16, device=DEV)
-    dx = gemm.launch_dgrad(dy, packed, scale, gs, offsets, out=out, decoder=decoder)
+    dx = gemm.launch_dgrad(dy, w, scale, gs, offsets, out=out, decoder=decoder)
     torch.cuda.synchronize()
     bwd = _assert_bound(dx, ref_dx, abs_dx, n, f"{what} dgrad")
     return fwd, bwd
@@ -140,7 +142,7 @@ def _check_moe(x, packed, scale, gs, offsets, decoder, what):
 # NVFP4 grouped GEMM
 
 
-@pytest.mark.parametrize("decoder", ["asm", "triton"])
+@pytest.mark.parametrize("decoder", ["asm", "triton", "pairs"])
 @pytest.mark.parametrize(
     "e,n,k,counts",
     [
@@ -182,6 +184,10 @@ CONFIG_VARIANTS = {  # tile configs beside the defaults (scripts/bench_expert_ge
     "fwd_gluon_BM128_DW8": ("fwd", dict(GLUON=True, BM=128, DW=8, DREGS=96)),
     "fwd_gluon_BM256": ("fwd", dict(GLUON=True, BM=256)),
     "fwd_gluon_BM256_DW8": ("fwd", dict(GLUON=True, BM=256, DW=8, DREGS=64)),
+    # the weights in e2m1_asm's pair order (to_pair_order): fewer decode instructions, one multiply per pair
+    "dgrad_gluon_BM256_DW8_PAIRS": ("dgrad", dict(GLUON=True, BM=256, DW=8, DREGS=64, PAIRS=True)),
+    "dgrad_gluon_BM128_PAIRS": ("dgrad", dict(GLUON=True, BM=128, PAIRS=True)),
+    "fwd_gluon_BM256_DW8_PAIRS": ("fwd", dict(GLUON=True, BM=256, DW=8, DREGS=64, PAIRS=True)),
 }
 
 
@@ -198,7 +204,7 @@ def test_nvfp4_moe_config_variants(name):
     ref = reference(inp, packed, scale, gs, offsets)
     absref = reference(inp.abs(), *_abs_stack(packed, scale), gs, offsets)
     out = torch.full((inp.shape[0], n if fwd else k), float("nan"), dtype=BF16, device=DEV)
-    got = launch(inp, packed, scale, gs, offsets, out=out, config=cfg)
+    got = launch(inp, to_pair_order(packed) if cfg.get("PAIRS") else packed, scale, gs, offsets, out=out, config=cfg)
     _assert_bound(got, ref, absref, k if fwd else n, f"config {name}")
 
 
@@ -215,10 +221,11 @@ def test_nvfp4_moe_gluon_edges(e, n, k, counts):
     for inp, reference, launch, red in ((x, _ref_fwd, gemm.launch_fwd, k), (dy, _ref_dgrad, gemm.launch_dgrad, n)):
         ref = reference(inp, packed, scale, gs, offsets)
         absref = reference(inp.abs(), *_abs_stack(packed, scale), gs, offsets)
-        for bm in (64, 128, 256):
+        for bm, pairs in ((64, False), (128, False), (256, False), (128, True), (256, True)):
             out = torch.full(ref.shape, float("nan"), dtype=BF16, device=DEV)
-            got = launch(inp, packed, scale, gs, offsets, out=out, config=dict(GLUON=True, BM=bm))
-            _assert_bound(got, ref, absref, red, f"gluon {launch.__name__} BM={bm} E{e} N{n} K{k}")
+            got = launch(inp, to_pair_order(packed) if pairs else packed, scale, gs, offsets, out=out,
+                         config=dict(GLUON=True, BM=bm, PAIRS=pairs))
+            _assert_bound(got, ref, absref, red, f"gluon {launch.__name__} BM={bm} PAIRS={pairs} E{e} N{n} K{k}")
 
 
 def test_nvfp4_moe_skewed_and_empty():
@@ -249,6 +256,9 @@ def test_nvfp4_moe_nan_scale_propagates():
     ref = _ref_fwd(x, packed, sb.view(torch.float8_e4m3fn), gs, offsets)
     assert torch.equal(torch.isnan(y), torch.isnan(ref))
     assert torch.isnan(y[3:, 5]).all() and not torch.isnan(y[:3]).any()
+    yp = gemm.launch_fwd(x, to_pair_order(packed), sb.view(torch.float8_e4m3fn), gs, offsets,
+                         config=dict(GLUON=True, BM=64, PAIRS=True))
+    assert torch.equal(torch.isnan(yp), torch.isnan(ref))
 
 
 def test_sort_by_expert():
