@@ -1,6 +1,9 @@
 """The e2m1 decode shared by the NVFP4 expert GEMMs (the Triton kernels of ``nvfp4_moe_gemm`` and the Gluon kernel of
 ``nvfp4_moe_gluon``): PTX for ``inline_asm_elementwise``, one 32-bit word of 8 codes and its bf16 block scale in,
-the 8 decoded bf16 values out ($0..$7 = codes 0..7; code j in bits 4j..4j+3). Needs sm_80+ (bf16x2 fma)."""
+the 8 decoded bf16 values out ($0..$7 = codes 0..7). Two word layouts: the serving order (code j in bits 4j..4j+3,
+``E2M1_BF16X2_ASM``, the default) and the pair order (``to_pair_order``, ``E2M1_PAIRS_ASM``: 17% fewer decode
+instructions in the Gluon kernel's loop, 2.5-7% faster at 32K and at 64-512 tokens, results/gpu/runs 65-68; opt-in,
+since the trainer keeps the serving order). Needs sm_80+ (bf16x2 fma)."""
 
 # bf16 bit patterns of the 8 nibbles of a 32-bit word as bf16x2 pairs (n_k, n_{k+4}): code bits
 # (s e1 e0 m) -> sign bit 15, e1 e0 m -> bits 8..6. That is a bf16 with exponent field e and
@@ -63,14 +66,17 @@ MAG_BITS, SIGN_BITS = 0x01C001C0, 0x80008000
 PAIRS_SCALE_UP, PAIRS_ACC_SHIFT = 118, 8
 
 
+def _rot(dst: str, n: int) -> str:
+    return f"shf.l.wrap.b32 {dst}, $8, $8, {n};" if n else f"mov.b32 {dst}, $8;"
+
+
 def _pairs_asm() -> str:
     ops = []
     for i, (a, b) in enumerate(PAIR_ROTATIONS):
-        rot = (lambda dst, n: f"shf.l.wrap.b32 {dst}, $8, $8, {n};" if n else f"mov.b32 {dst}, $8;")
         if a == b:
-            ops += [rot("t0", a), f"and.b32 r{i}, t0, {MAG_BITS | SIGN_BITS:#010x};"]
+            ops += [_rot("t0", a), f"and.b32 r{i}, t0, {MAG_BITS | SIGN_BITS:#010x};"]
         else:
-            ops += [rot("t0", a), f"and.b32 t0, t0, {MAG_BITS:#010x};", rot("t1", b),
+            ops += [_rot("t0", a), f"and.b32 t0, t0, {MAG_BITS:#010x};", _rot("t1", b),
                     f"and.b32 t1, t1, {SIGN_BITS:#010x};", f"or.b32 r{i}, t0, t1;"]
     ops += [f"fma.rn.bf16x2 r{i}, r{i}, ss, nz;" for i in range(4)]
     ops += [f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, r{i};" for i in range(4)]
