@@ -21,10 +21,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from quant.kernels.e2m1_asm import to_pair_order  # noqa: E402
 from quant.kernels import nvfp4_dequant as nd  # noqa: E402
 from quant.kernels import nvfp4_moe as moe  # noqa: E402
 from quant.kernels import nvfp4_moe_gemm as gemm  # noqa: E402
+from quant.kernels.e2m1_asm import to_pair_order  # noqa: E402
 
 E, HIDDEN, INTER, TOPK = 128, 6144, 3072, 4
 COPY_TBPS = 4.30
