@@ -85,16 +85,14 @@ def _kernels():
         bf = tl.bfloat16
         if PAIRS:
             sb = (s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale_up).to(tl.bfloat16)
-            sw = tl.reshape(tl.join(sb, sb), (R, BK // 8))
-            n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
-                asm_pairs, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [p32, sw], dtype=(bf, bf, bf, bf, bf, bf, bf, bf),
-                is_pure=True, pack=1)
+            asm: tl.constexpr = asm_pairs
         else:
             sb = s.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-            sw = tl.reshape(tl.join(sb, sb), (R, BK // 8))
-            n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
-                asm_decode, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [p32, sw], dtype=(bf, bf, bf, bf, bf, bf, bf, bf),
-                is_pure=True, pack=1)
+            asm: tl.constexpr = asm_decode
+        sw = tl.reshape(tl.join(sb, sb), (R, BK // 8))
+        n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
+            asm, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [p32, sw], dtype=(bf, bf, bf, bf, bf, bf, bf, bf), is_pure=True,
+            pack=1)
         t = tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)), tl.join(tl.join(n1, n5), tl.join(n3, n7)))
         return tl.reshape(t, (R, BK))
 

@@ -215,7 +215,9 @@ if gluon is not None:
                 (_ws_load, (in_desc, in_s, in_ready, empty, row0.to(gl.int32), n_steps)),
                 (_ws_decode, (w_ptr, s_ptr, w_s, w_ready, empty, e, o0, n_steps, N, K, KW, KS, DGRAD, DW, PAIRS)),
             ], [1, DW], [24, DREGS])
-            gsc = gl.load(gs_ptr + e) * _ACC_SHIFT if PAIRS else gl.load(gs_ptr + e)
+            gsc = gl.load(gs_ptr + e)
+            if PAIRS:
+                gsc = gsc * _ACC_SHIFT
             out = gl.convert_layout((acc * gsc).to(gl.bfloat16), ld)
             rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, ld))
             cols = o0 + gl.arange(0, BO, layout=gl.SliceLayout(0, ld))
