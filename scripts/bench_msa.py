@@ -77,6 +77,8 @@ def parse_args():
     p.add_argument("--no-sdpa", action="store_true", help="skip the dense baseline")
     p.add_argument("--sweep", default="", help="lengths at which to time block-outer variants, comma separated")
     p.add_argument("--back-to-back", type=int, default=0, help="also time N fwd+bwd calls in a row (0: off)")
+    p.add_argument("--config", default="", help="block-outer Config fields for --impl block, e.g. "
+                   "item_tokens=256,order=size (the table, --profile, --trace; --sweep varies the default)")
     p.add_argument("--profile", default="", help="lengths at which to list fwd+bwd kernel times (torch.profiler)")
     p.add_argument("--trace", default="", help="lengths at which to write Chrome traces of fwd+bwd (next to --out)")
     p.add_argument("--device", default="cuda")
@@ -154,12 +156,13 @@ def bench_case(total, packed, args, device, dtype, gen):
     if args.impl == "block":
         from rl.model import msa_block_outer
 
-        row["plan"] = timed(lambda: msa_block_outer.build_plan(ids, cu), args.warmup, args.repeats, device)
+        cfg = block_config(args) if args.config else msa_block_outer.DEFAULT
+        row["plan"] = timed(lambda: msa_block_outer.build_plan(ids, cu, cfg), args.warmup, args.repeats, device)
 
     def run_msa(impl, backward, **kw):
         def fn():
             with torch.set_grad_enabled(backward):
-                out = msa.sparse_attention(q, k, v, ids, cu, impl=impl, validate=False, **kw)
+                out = attend(q, k, v, ids, cu, impl, args, **kw)
                 if backward:
                     torch.autograd.grad(out, (q, k, v), grad_out)
         return fn
@@ -241,9 +244,31 @@ def single_fwd_bwd(total, args, device, dtype, gen):
     grad_out = torch.randn(total, args.hq, args.dim, device=device, dtype=dtype)
 
     def fn():
-        out = msa.sparse_attention(q, k, v, ids, cu, impl=args.impl, validate=False)
+        out = attend(q, k, v, ids, cu, args.impl, args)
         torch.autograd.grad(out, (q, k, v), grad_out)
     return fn
+
+
+def attend(q, k, v, ids, cu, impl, args, **kw):
+    """msa.sparse_attention with `impl`; the block impl with --config's Config where one is given."""
+    if impl == "block" and args.config:
+        from rl.model import msa_block_outer as mbo
+
+        return mbo.sparse_attention(q, k, v, ids, cu, q.shape[-1] ** -0.5, block_config(args))
+    return msa.sparse_attention(q, k, v, ids, cu, impl=impl, validate=False, **kw)
+
+
+def block_config(args):
+    """The block-outer Config of --config "field=value,...", values cast by the field's default."""
+    from rl.model import msa_block_outer as mbo
+
+    fields = dict(item.split("=", 1) for item in args.config.split(","))
+    cast = {f.name: type(f.default) for f in dataclasses.fields(mbo.Config)}
+    unknown = set(fields) - set(cast)
+    if unknown:
+        raise SystemExit(f"--config: unknown Config fields {sorted(unknown)}")
+    parse = lambda name, v: v.lower() in ("1", "true") if cast[name] is bool else cast[name](v)  # noqa: E731
+    return mbo.Config(**{n: parse(n, v) for n, v in fields.items()})
 
 
 def profile(total, args, device, dtype, gen):
