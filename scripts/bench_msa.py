@@ -53,9 +53,12 @@ from rl.model import msa  # noqa: E402
 # 4K): run46. Both defaults against the kernels they replaced (run47): fwd+bwd 22.44 vs 23.40 (_fwd_gluon) vs 24.39
 # (_fwd_gluon and _bwd_gluon) ms at 32K, 44.61 / 48.96 / 48.97 at 64K, 3.18 / 3.18 / 3.35 at 4K.
 # With the host tables cached per batch layout (run60): the dense prefix through SDPA (3.46 vs 2.88 ms at 4K, 24.17 vs
-# 22.21 at 32K) and 256-token items (2.97, 24.13) again slower.
+# 22.21 at 32K) and 256-token items (2.97, 24.13) again slower. The forward's adjacent selected blocks as one 256-key
+# entry (run72-73, results/gpu/run73/pairs_not_kept.patch): fwd+bwd 22.40 vs 21.87 ms at 32K, 3.09 vs 2.85 at 4K.
+# Item sizes again (run74-75): 768 tokens 22.25 vs 22.78 ms at 32K in one call, 23.36 vs 22.72 in the next (noise);
+# 640 and 1024 slower.
 SWEEP_FWD = [dict()]
-SWEEP_BWD = [dict(), dict(dense_prefix_min=128), dict(item_tokens=256)]
+SWEEP_BWD = [dict(), dict(item_tokens=768)]
 
 
 def parse_args():

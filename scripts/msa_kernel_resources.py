@@ -148,7 +148,8 @@ def main():
                               **{k: v for k, v in mbows.WS_BWD.items() if k not in ("num_warps", "maxnreg")}),
                          mbows.WS_BWD["num_warps"], 1, maxnreg=mbows.WS_BWD["maxnreg"]) | {"DQ_TMA": dq_tma}
           for dq_tma in (True, False)),
-        compile_report(mbo._merge, types, dict(shapes, R=a.row_tile, HAS_DENSE=False), 4, 3),
+        compile_report(mbo._merge, types, dict(shapes, R=a.row_tile, HAS_DENSE=False,
+                                               TP=1 << (a.topk - 1).bit_length()), 4, 3),
         compile_report(mbo._reduce_dq, types, dict(shapes, NH=128 // a.bwd_keys, R=a.row_tile), 4, 3),
     ]
     print(json.dumps({"command": " ".join(["python"] + sys.argv), "arch": "sm_90", "kernels": rows}, indent=1))

@@ -31,8 +31,10 @@ ms, dense causal SDPA 113 ms), 45.0 ms at 64K (SDPA 449 ms); faster than SDPA fr
 slower at 4K (1.12x back to back). On Hopper the forward and backward are the warp-specialized Gluon kernels of
 rl.model.msa_block_outer_gluon_ws (5.0 and 10.4 ms at 32K; the unspecialized `_fwd_gluon` / `_bwd_gluon` of
 rl.model.msa_block_outer_gluon and this file's Triton `_fwd` / `_bwd` run where those tiles do not fit, and on
-request, Config.fwd_kernel / bwd_kernel); the merge and dQ sum 4.6 ms (at bandwidth: the cost of the partials), the
-plan 0.3 ms of GPU time.
+request, Config.fwd_kernel / bwd_kernel); the merge and dQ sum 4.5 ms (at bandwidth: the cost of the partials; the
+merge's two passes 2.34 vs 2.48 ms for the online form, results/gpu/run74), the plan 0.2 ms of GPU time. Measured
+and not kept: the forward's adjacent selected blocks as one 256-key entry (fewer partials, but a second plan for the
+backward and no faster forward kernels; results/gpu/run73/pairs_not_kept.patch).
 """
 
 from __future__ import annotations
@@ -128,31 +130,32 @@ if triton is not None:
     @triton.jit
     def _merge(opart_ptr, lpart_ptr, pos_ptr, dense_row_ptr, dense_ptr, o_ptr, lse_ptr, NROWS, HQ: tl.constexpr,
                HKV: tl.constexpr, G: tl.constexpr, TOPK: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-               HAS_DENSE: tl.constexpr):
-        # O and LSE (log2 units) of R rows from their slots' partials; dense-prefix rows copy the SDPA output.
+               HAS_DENSE: tl.constexpr, TP: tl.constexpr):
+        # O and LSE (log2 units) of R rows from their slots' partials; dense-prefix rows copy the SDPA output. Two
+        # passes: every slot's LSE at once (the row's maximum and sum), then the partial outputs weighted by
+        # exp2(lse_j - max), whose loads wait on no running maximum (TP: TOPK rounded up to a power of two).
         row, ok, t, hk, g = _rows(NROWS, HQ, HKV, G, R)
         d = tl.arange(0, D)
-        m = tl.full([R], float("-inf"), tl.float32)
-        l = tl.zeros([R], tl.float32)
+        j = tl.arange(0, TP)
+        slots = (t * HKV + hk) * TOPK  # the row's first slot
+        pos = tl.load(pos_ptr + slots[:, None] + j[None, :], mask=ok[:, None] & (j < TOPK)[None, :], other=-1)
+        lj = tl.load(lpart_ptr + pos.to(tl.int64) * G + g[:, None], mask=pos >= 0, other=float("-inf"))
+        m = tl.max(lj, 1)
+        has = m > float("-inf")  # dense-prefix and padding rows have no slots
+        m = tl.where(has, m, 0.0)
+        l = tl.sum(tl.exp2(lj - m[:, None]), 1)
         acc = tl.zeros([R, D], tl.float32)
-        for j in range(TOPK):
-            pos = tl.load(pos_ptr + (t * HKV + hk) * TOPK + j, mask=ok, other=-1)  # sorted position of the slot
-            used = pos >= 0
-            prow = pos.to(tl.int64) * G + g
-            lj = tl.load(lpart_ptr + prow, mask=used, other=float("-inf"))
+        for jj in range(TOPK):
+            pj = tl.load(pos_ptr + slots + jj, mask=ok, other=-1)  # sorted position of the slot (cached: pass one)
+            used = pj >= 0
+            prow = pj.to(tl.int64) * G + g
+            w = tl.exp2(tl.load(lpart_ptr + prow, mask=used, other=float("-inf")) - m)
             oj = tl.load(opart_ptr + prow[:, None] * D + d[None, :], mask=used[:, None], other=0.0)
-            m_new = tl.maximum(m, lj)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m - m_safe)
-            w = tl.exp2(lj - m_safe)
-            l = l * alpha + w
-            acc = acc * alpha[:, None] + w[:, None] * oj.to(tl.float32)
-            m = m_new
-        has = l > 0
+            acc += w[:, None] * oj.to(tl.float32)
         out = acc / tl.where(has, l, 1.0)[:, None]
         if HAS_DENSE:
             drow = tl.load(dense_row_ptr + t, mask=ok, other=-1)
-            dense = drow >= 0  # such rows have no slots (l == 0)
+            dense = drow >= 0  # such rows have no slots
             x = tl.load(dense_ptr + (drow.to(tl.int64) * HQ + row % HQ)[:, None] * D + d[None, :],
                         mask=dense[:, None], other=0.0)
             out = tl.where(dense[:, None], x.to(tl.float32), out)
@@ -325,7 +328,8 @@ def _forward(q, k, v, dense_out, plan: Plan, scale: float, config: Config, o, ls
     rows, r = t_count * hq, config.row_tile
     if t_count:
         _merge[(triton.cdiv(rows, r),)](opart, lpart, plan.slot_pos, dense_row, dense, o, lse, rows, HQ=hq,
-                                        HKV=hkv, G=g, TOPK=topk, D=dim, R=r, HAS_DENSE=has_dense)
+                                        HKV=hkv, G=g, TOPK=topk, D=dim, R=r, HAS_DENSE=has_dense,
+                                        TP=triton.next_power_of_2(topk))
 
 
 def _backward(q, k, v, o, lse, do, plan: Plan, scale: float, config: Config, dq, dk, dv):
