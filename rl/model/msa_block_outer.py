@@ -25,10 +25,10 @@ On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1; tests onl
 The plan (`build_plan`) never waits for the device: the grid is a host-computed bound on the number of items, the
 tail of the item tables is empty rows, launched last, whose programs do no work.
 
-Measured on one H200 (results/gpu/run60, issue18_targets.json; 64 q / 4 KV heads, d 128, top-16, bf16): fwd 8.2 ms,
-fwd+bwd 22.2 ms at 32K tokens (22.0-22.3 per call back to back, as between a model's layers; per-token kernels 99
-ms, dense causal SDPA 113 ms), 45.0 ms at 64K (SDPA 449 ms); faster than SDPA from 8K tokens (single sequence), 1.3x
-slower at 4K (1.12x back to back). On Hopper the forward and backward are the warp-specialized Gluon kernels of
+Measured on one H200 (results/gpu/run76, issue18_targets.json; 64 q / 4 KV heads, d 128, top-16, bf16): fwd 7.9 ms,
+fwd+bwd 22.1 ms at 32K tokens (22.3 per call back to back, as between a model's layers; 22.0-23.0 from one machine
+to the next; per-token kernels 99 ms, dense causal SDPA 116 ms), 45.2 ms at 64K (SDPA 455 ms); faster than SDPA from
+8K tokens (single sequence), 1.3x slower at 4K (1.1x back to back). On Hopper the forward and backward are the warp-specialized Gluon kernels of
 rl.model.msa_block_outer_gluon_ws (5.0 and 10.4 ms at 32K; the unspecialized `_fwd_gluon` / `_bwd_gluon` of
 rl.model.msa_block_outer_gluon and this file's Triton `_fwd` / `_bwd` run where those tiles do not fit, and on
 request, Config.fwd_kernel / bwd_kernel); the merge and dQ sum 4.5 ms (at bandwidth: the cost of the partials; the
