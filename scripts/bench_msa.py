@@ -159,7 +159,7 @@ def bench_case(total, packed, args, device, dtype, gen):
     if args.impl == "block":
         from rl.model import msa_block_outer
 
-        cfg = block_config(args) if args.config else msa_block_outer.DEFAULT
+        cfg = args.block_config or msa_block_outer.DEFAULT
         row["plan"] = timed(lambda: msa_block_outer.build_plan(ids, cu, cfg), args.warmup, args.repeats, device)
 
     def run_msa(impl, backward, **kw):
@@ -254,24 +254,32 @@ def single_fwd_bwd(total, args, device, dtype, gen):
 
 def attend(q, k, v, ids, cu, impl, args, **kw):
     """msa.sparse_attention with `impl`; the block impl with --config's Config where one is given."""
-    if impl == "block" and args.config:
+    if impl == "block" and args.block_config is not None:
         from rl.model import msa_block_outer as mbo
 
-        return mbo.sparse_attention(q, k, v, ids, cu, q.shape[-1] ** -0.5, block_config(args))
+        return mbo.sparse_attention(q, k, v, ids, cu, q.shape[-1] ** -0.5, args.block_config)
     return msa.sparse_attention(q, k, v, ids, cu, impl=impl, validate=False, **kw)
 
 
 def block_config(args):
-    """The block-outer Config of --config "field=value,...", values cast by the field's default."""
+    """The block-outer Config of --config "field=value,..." (values cast by the field's default), None without one;
+    parsed once, before any timing."""
+    if not args.config:
+        return None
     from rl.model import msa_block_outer as mbo
 
-    fields = dict(item.split("=", 1) for item in args.config.split(","))
+    items = [item.split("=", 1) for item in args.config.split(",")]
     cast = {f.name: type(f.default) for f in dataclasses.fields(mbo.Config)}
-    unknown = set(fields) - set(cast)
-    if unknown:
-        raise SystemExit(f"--config: unknown Config fields {sorted(unknown)}")
-    parse = lambda name, v: v.lower() in ("1", "true") if cast[name] is bool else cast[name](v)  # noqa: E731
-    return mbo.Config(**{n: parse(n, v) for n, v in fields.items()})
+    values = {}
+    for item in items:
+        if len(item) != 2 or item[0] not in cast:
+            raise SystemExit(f"--config: {'='.join(item)!r} is not FIELD=VALUE with a field of {sorted(cast)}")
+        name, text = item
+        try:
+            values[name] = text.lower() in ("1", "true") if cast[name] is bool else cast[name](text)
+        except ValueError:
+            raise SystemExit(f"--config: {name}={text!r} is not a {cast[name].__name__}") from None
+    return mbo.Config(**values)
 
 
 def profile(total, args, device, dtype, gen):
@@ -368,13 +376,14 @@ def table(report):
 
 def main():
     args = parse_args()
+    args.block_config = block_config(args)  # a bad --config fails here, before any work
     device = torch.device(args.device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     report = {
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "config": {k: v for k, v in vars(args).items() if k not in ("out", "block_config")},
         "results": [],
     }
     gen = torch.Generator().manual_seed(args.seed)
