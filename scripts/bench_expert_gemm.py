@@ -240,6 +240,7 @@ def main():
                     median_ms=round(ms, 4), tflops=round(fl / ms / 1e9, 1), gbps=round(bf_bytes / ms / 1e6, 1),
                 ))
             for direction, label, cfg, dec in cases:
+                w = pairs if (cfg or {}).get("PAIRS") or dec == "pairs" else packed  # the order the decoder reads
                 if dec in ("dequant", "dequant_serial"):
                     ov = dec == "dequant"
                     if direction == "fwd":
@@ -249,11 +250,11 @@ def main():
                         fn = (lambda ov=ov: nd.dequant_dgrad(dy, packed, scale, gsh, bounds, overlap=ov))
                         act = m * n * 2 + m * k * 2
                 elif direction == "fwd":
-                    fn = (lambda cfg=cfg, dec=dec, w=pairs if (cfg or {}).get("PAIRS") or dec == "pairs" else packed:
+                    fn = (lambda cfg=cfg, dec=dec, w=w:
                           gemm.launch_fwd(x, w, scale, gs, offsets, config=cfg, decoder=dec))
                     act = m * k * 2 + m * n * 2
                 else:
-                    fn = (lambda cfg=cfg, dec=dec, w=pairs if (cfg or {}).get("PAIRS") or dec == "pairs" else packed:
+                    fn = (lambda cfg=cfg, dec=dec, w=w:
                           gemm.launch_dgrad(dy, w, scale, gs, offsets, config=cfg, decoder=dec))
                     act = m * n * 2 + m * k * 2
                 try:
