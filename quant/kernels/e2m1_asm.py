@@ -3,7 +3,11 @@
 the 8 decoded bf16 values out ($0..$7 = codes 0..7). Two word layouts: the serving order (code j in bits 4j..4j+3,
 ``E2M1_BF16X2_ASM``, the default) and the pair order (``to_pair_order``, ``E2M1_PAIRS_ASM``: 17% fewer decode
 instructions in the Gluon kernel's loop, 2.5-7% faster at 32K and at 64-512 tokens, results/gpu/runs 65-68; opt-in,
-since the trainer keeps the serving order). Needs sm_80+ (bf16x2 fma)."""
+since the trainer keeps the serving order). Needs sm_80+ (bf16x2 fma).
+``triton_decoders`` wraps both as Triton jit functions (with a portable decoder), for every Triton kernel that
+decodes: the GEMMs of ``nvfp4_moe_gemm`` and the bf16 decode of ``nvfp4_dequant``."""
+
+import functools
 
 # bf16 bit patterns of the 8 nibbles of a 32-bit word as bf16x2 pairs (n_k, n_{k+4}): code bits
 # (s e1 e0 m) -> sign bit 15, e1 e0 m -> bits 8..6. That is a bf16 with exponent field e and
@@ -114,3 +118,64 @@ def to_pair_order(packed):
         bit = (w >> src) & 1
         out |= bit << dst if dst < 31 else -bit << 31  # bit 31 as the int32 sign
     return out.view(torch.uint8).view(packed.shape)
+
+
+@functools.lru_cache(maxsize=None)
+def triton_decoders():
+    """The e2m1 decoders as Triton jit functions, built on first use (Triton is imported here, not at module import:
+    CPU installs lack it), as a namespace:
+    - decode_tl(p, s, R, BK): p [R, BK/2] uint8 (two codes per byte), s [R, BK/16] E4M3 bytes -> [R, BK] bf16,
+      portable tl ops;
+    - decode_asm(p32, s, R, BK, PAIRS): p32 [R, BK/8] int32 words (serving order, or pair order with PAIRS: then
+      e2m1 * s * 2^-8, the caller multiplies 2^PAIRS_ACC_SHIFT back), same s -> [R, BK] bf16, through the PTX above;
+    - its parts scale_bf16(s, PAIRS) (E4M3 bytes -> the bf16 the PTX takes) and decode_words(p32, sw, PAIRS) (words
+      and one bf16 scale per word, same shape -> [..., 2, 2, 2], the word's 8 codes in order), for kernels that load
+      one scale per word themselves.
+    All exact: e2m1 * s has at most 6 significant bits, so it is a bf16."""
+    import types
+
+    import triton
+    import triton.language as tl
+
+    asm_decode = tl.constexpr(E2M1_BF16X2_ASM)
+    asm_pairs = tl.constexpr(E2M1_PAIRS_ASM)
+    scale_up = tl.constexpr(2.0 ** PAIRS_SCALE_UP)
+
+    @triton.jit
+    def decode_tl(p, s, R: tl.constexpr, BK: tl.constexpr):
+        # A code (s e1 e0 m) placed as fp16 bits (s << 15 | e1 e0 m << 9) is e2m1 * 2^-14 exactly (an fp16 subnormal
+        # when e = 0; fp16 -> fp32 conversion is exact), so times 2^14 * s in fp32 it is e2m1 * s.
+        q = p.to(tl.int32)
+        lo = (((q & 0x7) << 9) | ((q & 0x8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True)
+        hi = (((q & 0x70) << 5) | ((q & 0x80) << 8)).to(tl.uint16).to(tl.float16, bitcast=True)
+        w = tl.interleave(lo.to(tl.float32), hi.to(tl.float32))
+        sf = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0
+        w = tl.reshape(w, (R, BK // 16, 16)) * sf[:, :, None]
+        return tl.reshape(w, (R, BK)).to(tl.bfloat16)
+
+    @triton.jit
+    def scale_bf16(s, PAIRS: tl.constexpr):
+        if PAIRS:
+            return (s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale_up).to(tl.bfloat16)
+        else:
+            return s.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+
+    @triton.jit
+    def decode_words(p32, sw, PAIRS: tl.constexpr):
+        bf = tl.bfloat16
+        if PAIRS:
+            asm: tl.constexpr = asm_pairs
+        else:
+            asm: tl.constexpr = asm_decode
+        n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
+            asm, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [p32, sw], dtype=(bf, bf, bf, bf, bf, bf, bf, bf), is_pure=True,
+            pack=1)
+        return tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)), tl.join(tl.join(n1, n5), tl.join(n3, n7)))
+
+    @triton.jit
+    def decode_asm(p32, s, R: tl.constexpr, BK: tl.constexpr, PAIRS: tl.constexpr):
+        sb = scale_bf16(s, PAIRS)
+        return tl.reshape(decode_words(p32, tl.reshape(tl.join(sb, sb), (R, BK // 8)), PAIRS), (R, BK))
+
+    return types.SimpleNamespace(decode_tl=decode_tl, decode_asm=decode_asm, scale_bf16=scale_bf16,
+                                 decode_words=decode_words)

@@ -32,44 +32,97 @@ __all__ = ["CHUNK_EXPERTS", "nvfp4_dequantize", "dequant_fwd", "dequant_dgrad"]
 CHUNK_EXPERTS = 8  # 8 x 6144 x 6144 bf16 = 0.6 GB per buffer at M3's gate_up
 
 
+# The decode kernel's tiles: ROWS rows of 64 codes of the flat code stream per program, WARPS warps (4 x 128 rows: 8
+# words per thread, 16-byte loads and stores).
+ROWS, WARPS = 128, 4
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel():
     # Triton is optional (CPU installs lack it): imported on the first launch on a CUDA tensor
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def _dequant_kernel(p_ptr, s_ptr, out_ptr, total, BLOCK: tl.constexpr):
-        # BLOCK packed bytes -> 2 * BLOCK bf16 (low nibble first); 8 bytes (16 codes) share one scale byte. Values
-        # are built from integer fields as fp32 bits (no fp8 type: the same code runs under the CPU interpreter).
+    from quant.kernels.e2m1_asm import triton_decoders
+
+    dec = triton_decoders()
+    scale_bf16, decode_words = dec.scale_bf16, dec.decode_words
+
+    @triton.jit(do_not_specialize=["one"])
+    def _dequant_kernel(w_ptr, p_ptr, s_ptr, out_ptr, groups, one, R: tl.constexpr, ASM: tl.constexpr,
+                        EVEN: tl.constexpr):
+        # The flat code stream as rows of 64 codes: 8 int32 words (32 bytes) and 4 scale bytes (16 codes share one)
+        # per row; `groups` 16-code groups in all (EVEN: a multiple of 4 * R, no masks). ASM: the words through the
+        # GEMMs' bf16x2 decode (~50 sm_90 instructions per word with its loads and store; the integer fields of
+        # the other branch take ~15 per code, which held this kernel to ~3.0 TB/s on the H200, run42); else the
+        # bytes' integer fields as fp32 bits (no fp8 type or asm: the same code runs under the CPU interpreter).
         pid = tl.program_id(0).to(tl.int64)
-        offs = pid * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < total
-        p = tl.load(p_ptr + offs, mask=ok, other=0).to(tl.int32)
-        b = tl.load(s_ptr + offs // 8, mask=ok, other=0).to(tl.int32)
-        # E4M3 scale: exponent field > 0 is (1 + man/8) * 2^(exp-7); 0 is man * 2^-9; 0x7F/0xFF NaN
-        sign = b & 0x80
-        exp = (b >> 3) & 0xF
-        man = b & 7
-        s = ((sign << 24) | ((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
-        sub = (man.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True) | (sign << 24)  # signs as bits: -0 too
-        s = tl.where(exp == 0, sub.to(tl.float32, bitcast=True), s)
-        s = tl.where((b & 0x7F) == 0x7F, float("nan"), s)
-        # E2M1 codes (sign, e1 e0 m): e > 0 is (1 + m/2) * 2^(e-1); e = 0 is m/2 (0.5 = 0x3F000000)
-        lo_c = p & 0xF
-        hi_c = p >> 4
-        lo_e = (lo_c & 7) >> 1
-        hi_e = (hi_c & 7) >> 1
-        lo_m = lo_c & 1
-        hi_m = hi_c & 1
-        lo = tl.where(lo_e == 0, lo_m * 0x3F000000, ((lo_e + 126) << 23) | (lo_m << 22)) | ((lo_c & 8) << 28)
-        hi = tl.where(hi_e == 0, hi_m * 0x3F000000, ((hi_e + 126) << 23) | (hi_m << 22)) | ((hi_c & 8) << 28)
-        lo = lo.to(tl.float32, bitcast=True) * s
-        hi = hi.to(tl.float32, bitcast=True) * s
-        o = pid * (2 * BLOCK) + tl.arange(0, 2 * BLOCK)
-        tl.store(out_ptr + o, tl.interleave(lo.to(tl.bfloat16), hi.to(tl.bfloat16)), mask=o < 2 * total)
+        r = pid * R + tl.arange(0, R)
+        if ASM:
+            # Words as [8, R] (word in row, row), one per thread, and its scale byte loaded beside it: `one` is 1 at
+            # run time but unknown to the compiler, so the loads are 4 bytes wide with lanes along the words, and
+            # each thread's 8 decoded codes are exactly the 16-byte vector of the store's layout. (Loaded as [R, 8],
+            # 16 bytes per thread, Triton moved the decoded tile through shared memory to the store's layout: 17
+            # barriers per program in the sm_90 SASS.)
+            wi = r[None, :] * 8 + tl.arange(0, 8)[:, None] * one
+            if EVEN:
+                p32 = tl.load(w_ptr + wi)
+                sb = scale_bf16(tl.load(s_ptr + wi // 2), False)
+            else:
+                p32 = tl.load(w_ptr + wi, mask=wi < 2 * groups, other=0)
+                sb = scale_bf16(tl.load(s_ptr + wi // 2, mask=wi < 2 * groups, other=0), False)
+            w = tl.reshape(tl.permute(decode_words(p32, sb, False), (1, 0, 2, 3, 4)), (R, 64))
+        else:  # written out here: the interpreter does not see jit helpers defined in this closure
+            pi = r[:, None] * 32 + tl.arange(0, 32)[None, :]
+            q = tl.load(p_ptr + pi, mask=pi < 8 * groups, other=0).to(tl.int32)
+            g = r[:, None] * 4 + tl.arange(0, 4)[None, :]
+            b = tl.load(s_ptr + g, mask=g < groups, other=0).to(tl.int32)
+            # E4M3 scale: exponent field > 0 is (1 + man/8) * 2^(exp-7); 0 is man * 2^-9; 0x7F/0xFF NaN
+            sign = b & 0x80
+            exp = (b >> 3) & 0xF
+            man = b & 7
+            s = ((sign << 24) | ((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+            sub = (man.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True) | (sign << 24)  # signs as bits
+            s = tl.where(exp == 0, sub.to(tl.float32, bitcast=True), s)
+            s = tl.where((b & 0x7F) == 0x7F, float("nan"), s)
+            # E2M1 codes (sign, e1 e0 m), two per byte, low nibble first: e > 0 is (1 + m/2) * 2^(e-1); e = 0 is
+            # m/2 (0.5 = 0x3F000000)
+            lo_c = q & 0xF
+            hi_c = q >> 4
+            lo_e = (lo_c & 7) >> 1
+            hi_e = (hi_c & 7) >> 1
+            lo_m = lo_c & 1
+            hi_m = hi_c & 1
+            lo = tl.where(lo_e == 0, lo_m * 0x3F000000, ((lo_e + 126) << 23) | (lo_m << 22)) | ((lo_c & 8) << 28)
+            hi = tl.where(hi_e == 0, hi_m * 0x3F000000, ((hi_e + 126) << 23) | (hi_m << 22)) | ((hi_c & 8) << 28)
+            lo = tl.reshape(lo.to(tl.float32, bitcast=True), (R, 4, 8)) * s[:, :, None]
+            hi = tl.reshape(hi.to(tl.float32, bitcast=True), (R, 4, 8)) * s[:, :, None]
+            w = tl.reshape(tl.interleave(lo, hi), (R, 64)).to(tl.bfloat16)
+        o = r[:, None] * 64 + tl.arange(0, 64)[None, :]
+        if EVEN:
+            tl.store(out_ptr + o, w)
+        else:
+            tl.store(out_ptr + o, w, mask=o < 16 * groups)
 
     return triton, _dequant_kernel
+
+
+def launch_decode(p: torch.Tensor, s: torch.Tensor, out: torch.Tensor, asm: bool = True, rows: int = ROWS,
+                  warps: int = WARPS) -> torch.Tensor:
+    """The decode kernel on contiguous packed bytes ``p``, scale bytes ``s`` (one per 8 packed bytes) into bf16
+    ``out`` (2 per packed byte); ``asm=False`` decodes with integer fields instead (also under the interpreter)."""
+    triton, kernel = _kernel()
+    groups = p.numel() // 8
+    if (p.numel() != 8 * groups or s.numel() != groups or out.numel() != 2 * p.numel()
+            or not (p.is_contiguous() and s.is_contiguous() and out.is_contiguous())):
+        raise ValueError(f"nvfp4 decode: {p.numel()} packed bytes need a multiple of 8, {groups} scale bytes and "
+                         f"{2 * p.numel()} outputs, all contiguous; got {s.numel()} and {out.numel()}")
+    if groups:
+        p = p.view(-1)
+        words = p.view(torch.int32) if asm else p
+        kernel[(triton.cdiv(groups, 4 * rows),)](words, p, s, out, groups, 1, R=rows, ASM=asm,
+                                                EVEN=groups % (4 * rows) == 0, num_warps=warps)
+    return out
 
 
 def nvfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -79,16 +132,9 @@ def nvfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tenso
     if not packed.is_cuda:
         w = forms.nvfp4_weight(packed, scale.view(torch.float8_e4m3fn), torch.bfloat16)
         return w if out is None else out.copy_(w)
-    triton, kernel = _kernel()
-    p = packed.contiguous().view(torch.uint8)
-    s = scale.contiguous().view(torch.uint8)
     if out is None:
         out = torch.empty(shape, dtype=torch.bfloat16, device=packed.device)
-    total = p.numel()
-    if total:
-        block = 2048
-        kernel[(triton.cdiv(total, block),)](p, s, out, total, BLOCK=block, num_warps=8)
-    return out
+    return launch_decode(packed.contiguous().view(torch.uint8), scale.contiguous().view(torch.uint8), out)
 
 
 @functools.lru_cache(maxsize=None)

@@ -43,7 +43,7 @@ import functools
 
 import torch
 
-from quant.kernels.e2m1_asm import E2M1_BF16X2_ASM, E2M1_PAIRS_ASM, PAIRS_ACC_SHIFT, PAIRS_SCALE_UP
+from quant.kernels.e2m1_asm import PAIRS_ACC_SHIFT, triton_decoders
 
 __all__ = ["DECODERS", "DEFAULT_DECODER", "LARGE_M_CONFIG_BM256", "dgrad_config", "fwd_config", "launch_dgrad",
            "launch_fwd"]
@@ -59,42 +59,9 @@ def _kernels():
     import triton
     import triton.language as tl
 
-    asm_decode = tl.constexpr(E2M1_BF16X2_ASM)
-    asm_pairs = tl.constexpr(E2M1_PAIRS_ASM)
-    scale_up = tl.constexpr(2.0 ** PAIRS_SCALE_UP)
+    dec = triton_decoders()
+    _decode_tl, _decode_asm = dec.decode_tl, dec.decode_asm
     acc_shift = tl.constexpr(2.0 ** PAIRS_ACC_SHIFT)
-
-    @triton.jit
-    def _decode_tl(p, s, R: tl.constexpr, BK: tl.constexpr):
-        # p [R, BK/2] uint8 (two codes per byte), s [R, BK/16] uint8 (E4M3 bytes) -> [R, BK] bf16.
-        # A code (s e1 e0 m) placed as fp16 bits (s << 15 | e1 e0 m << 9) is e2m1 * 2^-14 exactly
-        # (an fp16 subnormal when e = 0; fp16 -> fp32 conversion is exact), so times 2^14 * s in
-        # fp32 it is e2m1 * s, exact, and exact again in bf16.
-        q = p.to(tl.int32)
-        lo = (((q & 0x7) << 9) | ((q & 0x8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True)
-        hi = (((q & 0x70) << 5) | ((q & 0x80) << 8)).to(tl.uint16).to(tl.float16, bitcast=True)
-        w = tl.interleave(lo.to(tl.float32), hi.to(tl.float32))
-        sf = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0
-        w = tl.reshape(w, (R, BK // 16, 16)) * sf[:, :, None]
-        return tl.reshape(w, (R, BK)).to(tl.bfloat16)
-
-    @triton.jit
-    def _decode_asm(p32, s, R: tl.constexpr, BK: tl.constexpr, PAIRS: tl.constexpr):
-        # p32 [R, BK/8] int32 (8 codes per word, code j in bits 4j..4j+3), s [R, BK/16] uint8. PAIRS: the words in
-        # e2m1_asm's pair order, decoded to e2m1 * s * 2^-8 (the epilogue multiplies the 2^8 back).
-        bf = tl.bfloat16
-        if PAIRS:
-            sb = (s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale_up).to(tl.bfloat16)
-            asm: tl.constexpr = asm_pairs
-        else:
-            sb = s.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-            asm: tl.constexpr = asm_decode
-        sw = tl.reshape(tl.join(sb, sb), (R, BK // 8))
-        n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
-            asm, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [p32, sw], dtype=(bf, bf, bf, bf, bf, bf, bf, bf), is_pure=True,
-            pack=1)
-        t = tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)), tl.join(tl.join(n1, n5), tl.join(n3, n7)))
-        return tl.reshape(t, (R, BK))
 
     @triton.jit
     def _tile(off_ptr, E, pid_m, E_P2: tl.constexpr, BM: tl.constexpr):

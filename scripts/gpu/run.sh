@@ -8,6 +8,8 @@
 #   bench_expert[:ARGS]   scripts/bench_expert_gemm.py: NVFP4 kernel vs decode+cuBLAS vs bf16 _grouped_mm at
 #                         64..32768 tokens, grouped expert LoRA vs the per-expert loop at 65,536 tokens; ARGS ('+' for
 #                         spaces) replace --lora-loop (e.g. bench_expert:--variants+--tokens+4096,32768)
+#   bench_decode[:ARGS]   scripts/bench_nvfp4_decode.py: the NVFP4 weight decode alone at M3's expert chunks (asm tiles,
+#                         integer fields, memory-bound references), ARGS ('+' for spaces) e.g. bench_decode:--base+base
 #   bench_mxfp8           scripts/bench_mxfp8_linear.py --trainer (the trainer's projection shapes, 4 and 8 x 16K)
 #   slice:L:S:BASE[:P[:C[:M]]]  scripts/train_step_m3.py at M3 width: L layers, S x 16K tokens, BASE quantized|bf16,
 #                         activation checkpointing on, MoE chunks of C tokens (default 16384); P=1: the time split;
@@ -53,6 +55,9 @@ for step in "$@"; do
     bench_expert|bench_expert:*)
       extra=${step#bench_expert}; extra=${extra#:}; extra=${extra:---lora-loop}
       run bench_expert "$(lim 220)" python3 scripts/bench_expert_gemm.py ${extra//+/ } --out "$OUT/bench_expert.json" ;;
+    bench_decode|bench_decode:*)
+      extra=${step#bench_decode}; extra=${extra#:}
+      run bench_decode "$(lim 120)" python3 scripts/bench_nvfp4_decode.py ${extra//+/ } --out "$OUT/bench_decode.json" ;;
     bench_mxfp8)
       run bench_mxfp8 "$(lim 100)" python3 scripts/bench_mxfp8_linear.py --trainer --out "$OUT/bench_mxfp8.json" ;;
     slice:*)

@@ -373,16 +373,21 @@ def test_mxfp8_fused_writes_everything():
 # NVFP4 at many rows per expert: bf16 decode + cuBLAS (quant.kernels.nvfp4_dequant)
 
 
-def test_nvfp4_dequantize_bit_exact_cuda():
-    from quant.kernels.nvfp4_dequant import nvfp4_dequantize
+@pytest.mark.parametrize("asm", [True, False])
+@pytest.mark.parametrize("shape", [(3, 64, 512), (1, 9, 264)], ids=["even", "partial_row"])
+def test_nvfp4_dequantize_bit_exact_cuda(shape, asm):
+    """The decode kernel (the bf16x2 asm and the integer-field decoder) on every code byte and every scale byte, in
+    programs without masks (even) and with a last row ending mid-program (9 x 33 16-code groups)."""
+    from quant.kernels.nvfp4_dequant import launch_decode
 
     gen = torch.Generator(device=DEV).manual_seed(31)
-    packed = torch.randint(0, 256, (3, 64, 512), dtype=torch.uint8, device=DEV, generator=gen)
-    scale = torch.randint(0, 256, (3, 64, 64), dtype=torch.uint8, device=DEV, generator=gen)
+    e, n, kh = shape
+    packed = torch.randint(0, 256, (e, n, kh), dtype=torch.uint8, device=DEV, generator=gen)
+    scale = torch.randint(0, 256, (e, n, kh // 8), dtype=torch.uint8, device=DEV, generator=gen)
     packed.view(-1)[:256] = torch.arange(256, dtype=torch.uint8, device=DEV)
     scale.view(-1)[:256] = torch.arange(256, dtype=torch.uint8, device=DEV)
-    out = torch.full((3, 64, 1024), float("nan"), dtype=BF16, device=DEV)
-    got = nvfp4_dequantize(packed, scale, out)
+    out = torch.full((e, n, 2 * kh), float("nan"), dtype=BF16, device=DEV)
+    got = launch_decode(packed, scale, out, asm=asm)
     ref = forms.nvfp4_weight(packed, scale.view(torch.float8_e4m3fn), BF16)
     nan = torch.isnan(ref)
     assert torch.equal(torch.isnan(got), nan)

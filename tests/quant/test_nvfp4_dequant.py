@@ -27,25 +27,29 @@ def _every_byte(e=3, n=16, k=512, seed=0):
 
 
 if __name__ == "__main__":  # the interpreter subprocess
-    from quant.kernels.nvfp4_dequant import _kernel
+    from quant.kernels.nvfp4_dequant import launch_decode
 
-    triton, kernel = _kernel()
-    packed, scale = _every_byte()
-    out = torch.full((*packed.shape[:-1], packed.shape[-1] * 2), float("nan"), dtype=torch.bfloat16)
-    total = packed.numel()
-    kernel[(triton.cdiv(total, 1024),)](packed, scale, out, total, BLOCK=1024)
-    ref = forms.nvfp4_weight(packed, scale.view(torch.float8_e4m3fn), torch.bfloat16)
-    nan = torch.isnan(ref)
-    print(json.dumps({"same_nan": bool(torch.equal(torch.isnan(out), nan)),
-                      "bits_equal": bool(torch.equal(out.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])),
-                      "nan_count": int(nan.sum()), "n": out.numel()}))
+    cases = {}
+    # every byte; and an odd shape whose 16-code groups (9 x 33) end inside a program's last row of 4 groups
+    for name, (e, n, k) in {"every_byte": (3, 16, 512), "partial_row": (1, 9, 528)}.items():
+        packed, scale = _every_byte(e, n, k)
+        out = torch.full((*packed.shape[:-1], packed.shape[-1] * 2), float("nan"), dtype=torch.bfloat16)
+        launch_decode(packed, scale, out, asm=False, rows=4)
+        ref = forms.nvfp4_weight(packed, scale.view(torch.float8_e4m3fn), torch.bfloat16)
+        nan = torch.isnan(ref)
+        cases[name] = {"same_nan": bool(torch.equal(torch.isnan(out), nan)),
+                       "bits_equal": bool(torch.equal(out.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])),
+                       "nan_count": int(nan.sum()), "n": out.numel()}
+    print(json.dumps(cases))
     sys.exit(0)
 
 
 def test_decode_under_the_interpreter_is_bit_exact():
-    r = run_under_interpreter(__file__)
-    assert r["same_nan"] and r["bits_equal"], r
-    assert r["nan_count"] > 0  # NaN scales (0x7F, 0xFF) were among the inputs
+    cases = run_under_interpreter(__file__)
+    assert set(cases) == {"every_byte", "partial_row"}, cases
+    for r in cases.values():
+        assert r["same_nan"] and r["bits_equal"], cases
+        assert r["nan_count"] > 0  # NaN scales (0x7F, 0xFF) were among the inputs
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 8])
