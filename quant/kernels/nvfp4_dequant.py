@@ -26,6 +26,7 @@ import functools
 import torch
 
 from quant import forms
+from quant.kernels.e2m1_asm import triton_decoders
 
 __all__ = ["CHUNK_EXPERTS", "nvfp4_dequantize", "dequant_fwd", "dequant_dgrad"]
 
@@ -42,8 +43,6 @@ def _kernel():
     # Triton is optional (CPU installs lack it): imported on the first launch on a CUDA tensor
     import triton
     import triton.language as tl
-
-    from quant.kernels.e2m1_asm import triton_decoders
 
     dec = triton_decoders()
     scale_bf16, decode_words = dec.scale_bf16, dec.decode_words
