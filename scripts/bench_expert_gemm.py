@@ -141,7 +141,11 @@ def main():
                     help="also time the kernels on weights in e2m1_asm's pair order (Triton 'pairs' decoder; Gluon "
                          "PAIRS where the input gradient's default is the Gluon kernel)")
     ap.add_argument("--rep-ms", type=int, default=60)
+    ap.add_argument("--side-priority", type=int, default=None,
+                    help="the decode + cuBLAS path's side-stream priority (nvfp4_dequant.SIDE_PRIORITY; 0 = normal)")
     args = ap.parse_args()
+    if args.side_priority is not None:
+        nd.SIDE_PRIORITY = args.side_priority
     torch.manual_seed(0)
     dev = torch.cuda.get_device_name()
     import triton
@@ -154,6 +158,7 @@ def main():
         "triton": triton.__version__,
         "copy_TBps_used_for_floor": round(copy_tbps, 3),
         "copy_TBps_measured": args.measure_copy,
+        "dequant_side_priority": nd.SIDE_PRIORITY,
         "experts": E, "hidden": HIDDEN, "intermediate": INTER, "top_k": TOPK,
         "routing": "uniform: top-4 of iid uniform scores per token",
         "decoder_default": gemm.DEFAULT_DECODER,

@@ -417,6 +417,11 @@ def test_nvfp4_moe_dequant_path(chunk, overlap):
     torch.cuda.synchronize()
     _assert_bound(dx, _ref_dgrad(dy, packed, scale, gs, offsets),
                   _ref_dgrad(dy.abs(), *_abs_stack(packed, scale), gs, offsets), n, f"dequant dgrad c{chunk}")
+    # the forward's decode kept (`into`, decoded on the side stream with overlap) serves the input gradient: the same
+    # results, bit for bit
+    kept = torch.full((e, n, k), float("nan"), dtype=BF16, device=DEV)
+    assert torch.equal(dequant_fwd(x, packed, scale, gsh, bounds, chunk=chunk, overlap=overlap, into=kept), y)
+    assert torch.equal(dequant_dgrad(dy, packed, scale, gsh, bounds, chunk=chunk, overlap=overlap, decoded=kept), dx)
 
 
 @pytest.mark.parametrize("which", ["gate_up", "down"])
