@@ -327,9 +327,13 @@ def main(argv=None) -> int:
     optimizer = torch.optim.AdamW(params, lr=1e-5)
     batch, token_adv = make_batch(args, t, rank, device)
     times, losses, mems = [], [], []
+    alloc_keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+    alloc0 = {}
     for i in range(args.warmup_steps + args.steps):
         mem = {} if cuda and i >= args.warmup_steps else None
         sync()
+        if cuda and i == args.warmup_steps:  # the caching allocator's device calls over the timed steps (each
+            alloc0 = {k: torch.cuda.memory_stats().get(k, 0) for k in alloc_keys}  # cudaMalloc/Free can sync)
         s0 = time.perf_counter()
         losses.append(step(model, optimizer, batch, token_adv, device, mem))
         sync()
@@ -344,6 +348,7 @@ def main(argv=None) -> int:
     if cuda:
         peak = max(max(m["forward_peak"], m["backward_peak"]) for m in mems)
         mine.update(peak_allocated_gb=peak / GB, peak_reserved_gb=torch.cuda.max_memory_reserved() / GB)
+        mine["allocator_calls_timed_steps"] = {k: torch.cuda.memory_stats().get(k, 0) - alloc0[k] for k in alloc_keys}
         m = mems[-1]
         # Transient = peak - resident weights (frozen base + LoRA); the rest is named by phase.
         mine["memory_breakdown_gb"] = {
