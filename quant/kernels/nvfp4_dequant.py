@@ -12,13 +12,19 @@ keeps (``nvfp4_moe_linear(keep_decoded=True)``, for calls recomputed under activ
 
 Why: the fused Triton kernels decode every weight tile once per row tile, so at thousands of rows per expert the
 decode work grows with the rows while the GEMM here runs at cuBLAS's rate on a decode done once per call. Below
-that the decode (0.5625 B read + 2 B written per weight, ~4.3 ms for all 128 M3 experts' gate_up + down at 4.3
-TB/s) is not paid back; ``nvfp4_moe`` picks the path per call from the rows per expert.
+that the decode (0.5625 B read + 2 B written per weight: 18.6 GB, 4.8 ms for all 128 M3 experts' gate_up + down at
+3.9 TB/s) is not paid back; ``nvfp4_moe`` picks the path per call from the rows per expert.
 
-``overlap``: decode chunk i+1 on a side stream while chunk i's GEMMs run (two buffers). Measured on the H200 (run
-11): no gain in the forward (cuBLAS's GEMMs fill every SM, the decode waits for them), 4% in the input gradient at
-32K tokens; so the path runs at its floor, the bf16 GEMM plus one decode: 28.6 / 28.4 ms fwd / dgrad at 32K tokens
-against 24.7 / 25.3 for bf16 _grouped_mm (0.86x / 0.89x), where the fused kernels take 29.4 / 45.1.
+The decode kernel (``launch_decode``) runs the GEMMs' bf16x2 asm on one 32-bit word per thread: 3.9 TB/s for a chunk
+of 8 experts on the H200 against 4.2 for a bf16 copy of the decoded size (run77); its integer-field decode, which
+it keeps for the CPU interpreter, was compute-bound at ~3.0.
+
+``overlap``: decode chunk i+1 on a high-priority side stream while chunk i's GEMMs run (two buffers, or the slices of
+``into``). At 32K tokens (runs 77-80, gate_up + down): forward 26.9-27.6 ms, input gradient 26.5-27.9 against
+25.1-25.9 for bf16 _grouped_mm in the same calls (0.90-0.98x over four calls; run 11, with the old decode: 28.6 /
+28.4, 0.86x / 0.89x); the overlap hides 1.4-1.6 ms of the input gradient's decode and little of the forward's
+(cuBLAS's forward GEMMs keep the SMs).
+Per expert, cuBLAS's GEMMs here run ~10% faster than _grouped_mm's grouped kernel on the same rows.
 """
 
 import functools
