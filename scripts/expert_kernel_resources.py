@@ -1,6 +1,6 @@
 """Compile the warp-specialized Gluon NVFP4 expert GEMM (quant.kernels.nvfp4_moe_gluon; forward and input gradient)
 for Hopper without a GPU; print registers, spills, shared memory and whether ptxas serialized the wgmma pipeline, per
-config, as JSON.
+config, as JSON; and the same for the bf16 weight decode of quant.kernels.nvfp4_dequant ("decode").
 
     PYTHONPATH=.venv/triton-interpret python scripts/expert_kernel_resources.py
 
@@ -37,7 +37,19 @@ def main():
             report = compile_report(g._gemm_ws, types, constexprs, c["WARPS"], 1, maxnreg=g.ws_maxnreg(c),
                                     divisible=("N", "K", "KW", "KS", "stride_out"))
             rows.append(dict(report, **c, DGRAD=dgrad))
-    print(json.dumps({"command": " ".join(["python"] + sys.argv), "arch": "sm_90", "kernels": rows}, indent=1))
+    print(json.dumps({"command": " ".join(["python"] + sys.argv), "arch": "sm_90", "kernels": rows,
+                      "decode": decode_reports()}, indent=1))
+
+
+def decode_reports():
+    """The decode + cuBLAS path's weight decode (quant.kernels.nvfp4_dequant) at its default tile, asm branch, with
+    and without masks: its layouts are chosen so that no shared memory moves the decoded tile (run77: 3.9 TB/s)."""
+    from quant.kernels import nvfp4_dequant as nd
+
+    _, kernel = nd._kernel()
+    types = {"w_ptr": "*i32", "p_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*bf16"}
+    return [dict(compile_report(kernel, types, dict(R=nd.ROWS, ASM=True, EVEN=even), nd.WARPS, 3,
+                                divisible=("groups",)), R=nd.ROWS, EVEN=even) for even in (True, False)]
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 compiled for Hopper (sm_90) on this CPU machine by scripts/expert_kernel_resources.py. Gluon has no interpreter, so
 this is what `make test` sees of it: it must compile at M3's shapes, fit in shared memory, not spill in any partition,
 and keep its MMAs asynchronous (ptxas reports C7514 when it serializes them). Its results are checked on the GPU
-(tests/quant/test_kernels_gpu.py, *_gluon_*)."""
+(tests/quant/test_kernels_gpu.py, *_gluon_*). The same compile checks the bf16 weight decode of the decode + cuBLAS
+path (quant.kernels.nvfp4_dequant) for the property its speed rests on: no shared memory between decode and store."""
 
 import json
 import sys
@@ -24,6 +25,11 @@ def test_gluon_expert_gemm_compiles_for_hopper():
     for k in report["kernels"]:
         assert k["stack_bytes"] == 0 and k["shared_bytes"] <= HOPPER_SHARED_BYTES, k
         assert not k["wgmma_serialized"], k
+    # the weight decode of the decode + cuBLAS path: its layouts need no shared memory between the decode and the
+    # 16-byte stores (a layout change there costs a shared-memory round trip and barriers per program)
+    assert [d["EVEN"] for d in report["decode"]] == [True, False]
+    for d in report["decode"]:
+        assert d["shared_bytes"] == 0 and d["stack_bytes"] == 0, d
 
 
 def test_the_input_gradients_default_config_is_compiled_here_and_tested_on_the_gpu():
