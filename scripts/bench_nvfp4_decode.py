@@ -34,14 +34,12 @@ def bench(fn, rep_ms):
 
 
 def load_base(path: str):
-    """nvfp4_dequant of another checkout, imported under its own name (its own quant package is not imported: the
-    module needs only torch, quant.forms on CPU tensors and Triton)."""
-    sys.path.insert(0, os.path.abspath(path))
+    """nvfp4_dequant of another checkout, imported under its own name; the ``quant`` imports inside it resolve to this
+    checkout's package (already imported), which the decode on CUDA tensors does not use beyond quant.forms' names."""
     spec = importlib.util.spec_from_file_location("base_nvfp4_dequant",
                                                   os.path.join(path, "quant", "kernels", "nvfp4_dequant.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    sys.path.pop(0)
     return mod
 
 

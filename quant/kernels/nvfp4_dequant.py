@@ -75,8 +75,9 @@ def _kernel():
                 p32 = tl.load(w_ptr + wi)
                 sb = scale_bf16(tl.load(s_ptr + wi // 2), False)
             else:
-                p32 = tl.load(w_ptr + wi, mask=wi < 2 * groups, other=0)
-                sb = scale_bf16(tl.load(s_ptr + wi // 2, mask=wi < 2 * groups, other=0), False)
+                ok = wi < 2 * groups
+                p32 = tl.load(w_ptr + wi, mask=ok, other=0)
+                sb = scale_bf16(tl.load(s_ptr + wi // 2, mask=ok, other=0), False)
             w = tl.reshape(tl.permute(decode_words(p32, sb, False), (1, 0, 2, 3, 4)), (R, 64))
         else:  # written out here: the interpreter does not see jit helpers defined in this closure
             pi = r[:, None] * 32 + tl.arange(0, 32)[None, :]

@@ -64,10 +64,10 @@ def test_norm_rope(dtype):
 
 
 def _by_rows(fn):
-    """fn applied to 7-row chunks of its first argument (lean.ROWS here): the reference for the row-chunked GEMMs,
+    """fn applied to lean.ROWS-row chunks of its first argument (7 here): the reference for the row-chunked GEMMs,
     whose bit-equality holds per chunk; BLAS may sum a 7-row and a 30-row GEMM in different orders (MKL on AVX-512
     does: the whole-batch expression differs in the last bit)."""
-    return lambda x, *rest: torch.cat([fn(x[a:a + 7], *rest) for a in range(0, x.shape[0], 7)])
+    return lambda x, *rest: torch.cat([fn(x[a:a + lean.ROWS], *rest) for a in range(0, x.shape[0], lean.ROWS)])
 
 
 def test_fp32_linear():
