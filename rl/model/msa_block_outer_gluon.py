@@ -137,17 +137,24 @@ if gluon is not None:
     @gluon.jit
     def _bwd_tile(st, dpt, qb, dob, e_b, lse_b, dl_b, k_s, ds_s, dk, dv, s_kidx, s_r, base, hi, qk_scale, zero_dq,
                   HKV: gl.constexpr, G: gl.constexpr, TOPK: gl.constexpr, TM: gl.constexpr, s_l: gl.constexpr,
-                  a_kv: gl.constexpr):
+                  a_kv: gl.constexpr, MASK: gl.constexpr = True):
         # A backward tile once S^T and dP^T are issued: P, dV += P^T dO under dP^T, dS, dK += dS Q, and
         # dQ = dS K with dS exchanged through shared memory; returns (dQ, dK, dV) with every MMA retired.
+        # MASK=False: a tile whose tokens all come after the key block (they see all of its keys) and whose rows past
+        # the item's end were copied as zeros (q, dO, LSE, delta: their P is 1, dO and dS are 0, so they add exact
+        # zeros to dV and dK; their dQ rows are not stored): no mask at all.
         dt: gl.constexpr = qb.dtype
         scol_l: gl.constexpr = gl.SliceLayout(0, s_l)
-        c_ok = (s_r < TM * G) & (base + s_r // G < hi)
-        c_tok = e_b.load(scol_l) // (HKV * TOPK)
+        if MASK:
+            c_ok = (s_r < TM * G) & (base + s_r // G < hi)
+            c_tok = e_b.load(scol_l) // (HKV * TOPK)
         c_lse = lse_b.load(scol_l)
         st = warpgroup_mma_wait(1, deps=(st, ))
-        vis = (s_kidx[:, None] <= c_tok[None, :]) & c_ok[None, :]
-        pt = gl.where(vis, gl.exp2(st * qk_scale - c_lse[None, :]), 0.0)
+        if MASK:
+            vis = (s_kidx[:, None] <= c_tok[None, :]) & c_ok[None, :]
+            pt = gl.where(vis, gl.exp2(st * qk_scale - c_lse[None, :]), 0.0)
+        else:
+            pt = gl.exp2(st * qk_scale - c_lse[None, :])
         p_a = gl.convert_layout(pt.to(dt), a_kv)
         dv = warpgroup_mma(p_a, dob, dv, is_async=True)
         c_delta = dl_b.load(scol_l)

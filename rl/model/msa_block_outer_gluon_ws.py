@@ -228,34 +228,59 @@ if gluon is not None:
             mbarrier.arrive(ready.index(b), count=1)
 
     @gluon.jit
-    def _bwd_ws_math(k_s, v_s, q_s, do_s, ds_s, dq_s, e_s, lse_s, dl_s, ready, empty, dq_ptr, dq_desc, dq_tile_desc,
-                     dks_ptr, dvs_ptr, it, lo, hi, k0, n_tiles, qk_scale, HKV: gl.constexpr, G: gl.constexpr,
+    def _bwd_ws_step(i, k_s, v_s, q_s, do_s, ds_s, dq_s, e_s, lse_s, dl_s, ready, empty, dq_ptr, dq_desc, dq_tile_desc,
+                     dk, dv, s_kidx, s_r, zero_s, zero_dq, lo, hi, qk_scale, HKV: gl.constexpr, G: gl.constexpr,
                      TOPK: gl.constexpr, TM: gl.constexpr, BM: gl.constexpr, D: gl.constexpr, DQ_TMA: gl.constexpr,
-                     num_warps: gl.constexpr):
-        # The math partition of _bwd_gluon_ws: _bwd_gluon's tile loop without its copies and entry loads.
-        BN: gl.constexpr = 128
+                     MASK: gl.constexpr, num_warps: gl.constexpr):
+        # Tile i of the math partition: its S^T / dP^T MMAs, _bwd_tile, the stage released, dQ stored.
         S: gl.constexpr = q_s.type.shape[0]
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
         s_l: gl.constexpr = _bwd_layouts(BM, D, num_warps)[0]
-        kv_l: gl.constexpr = _bwd_layouts(BM, D, num_warps)[1]
         a_kv: gl.constexpr = _bwd_layouts(BM, D, num_warps)[3]
+        base = lo + i * TM
+        b = i % S
+        mbarrier.wait(ready.index(b), (i // S) & 1)
+        fence_async_shared()  # the cp.async writes before the MMAs' reads
+        qb = q_s.index(b)
+        dob = do_s.index(b)
+        st = warpgroup_mma(k_s, qb.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v_s, dob.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dq, dk, dv = _bwd_tile(st, dpt, qb, dob, e_s.index(b), lse_s.index(b), dl_s.index(b), k_s, ds_s, dk, dv,
+                               s_kidx, s_r, base, hi, qk_scale, zero_dq, HKV, G, TOPK, TM, s_l, a_kv, MASK)
+        mbarrier.arrive(empty.index(b), count=1)  # the stage's rows are read: the loader may refill it
+        if DQ_TMA:
+            _store_rows(dq, dq_s, dq_desc, dq_tile_desc, base, hi, G, TM)
+        else:
+            _store_dq(dq, dq_ptr, base, hi, G, TM, BM, D, ld)
+        return dk, dv
+
+    @gluon.jit
+    def _bwd_ws_math(k_s, v_s, q_s, do_s, ds_s, dq_s, e_s, lse_s, dl_s, ready, empty, ent_ptr, dq_ptr, dq_desc,
+                     dq_tile_desc, dks_ptr, dvs_ptr, it, lo, hi, k0, n_tiles, qk_scale, HKV: gl.constexpr,
+                     G: gl.constexpr, TOPK: gl.constexpr, TM: gl.constexpr, BM: gl.constexpr, D: gl.constexpr,
+                     DQ_TMA: gl.constexpr, num_warps: gl.constexpr):
+        # The math partition of _bwd_gluon_ws: _bwd_gluon's tile loop without its copies and entry loads, in two
+        # loops: the tiles holding tokens of the key block itself (an item's tokens ascend: a prefix of its first
+        # item, < 128 entries) apply the causal mask, the rest see every key of the block and skip it.
+        BN: gl.constexpr = 128
+        kv_l: gl.constexpr = _bwd_layouts(BM, D, num_warps)[1]
         s_kidx, s_r, zero_s, zero_dq, dk, dv = _bwd_init(k0, BM, D, num_warps)
-        for i in range(n_tiles):
-            base = lo + i * TM
-            b = i % S
-            mbarrier.wait(ready.index(b), (i // S) & 1)
-            fence_async_shared()  # the cp.async writes before the MMAs' reads
-            qb = q_s.index(b)
-            dob = do_s.index(b)
-            st = warpgroup_mma(k_s, qb.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            dpt = warpgroup_mma(v_s, dob.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            dq, dk, dv = _bwd_tile(st, dpt, qb, dob, e_s.index(b), lse_s.index(b), dl_s.index(b), k_s, ds_s, dk, dv,
-                                   s_kidx, s_r, base, hi, qk_scale, zero_dq, HKV, G, TOPK, TM, s_l, a_kv)
-            mbarrier.arrive(empty.index(b), count=1)  # the stage's rows are read: the loader may refill it
-            if DQ_TMA:
-                _store_rows(dq, dq_s, dq_desc, dq_tile_desc, base, hi, G, TM)
-            else:
-                _store_dq(dq, dq_ptr, base, hi, G, TM, BM, D, ld)
+        if DQ_TMA:
+            r = gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+            tok = gl.load(ent_ptr + lo + r, mask=lo + r < hi, other=0) // (HKV * TOPK)
+            n_causal = (gl.sum(((lo + r < hi) & (tok < k0 + BN - 1)).to(gl.int32), 0) + TM - 1) // TM
+        else:  # dQ from registers: two loops spill inside the MMA loop (64 B of stack): every tile masked
+            n_causal = n_tiles
+        for i in range(n_causal):
+            dk, dv = _bwd_ws_step(i, k_s, v_s, q_s, do_s, ds_s, dq_s, e_s, lse_s, dl_s, ready, empty, dq_ptr, dq_desc,
+                                  dq_tile_desc, dk, dv, s_kidx, s_r, zero_s, zero_dq, lo, hi, qk_scale, HKV, G, TOPK,
+                                  TM, BM, D, DQ_TMA, True, num_warps)
+        if DQ_TMA:
+            # the bound computed here, not carried through the first loop (it was spilled to the stack)
+            for i in range(n_causal, (hi - lo + TM - 1) // TM):
+                dk, dv = _bwd_ws_step(i, k_s, v_s, q_s, do_s, ds_s, dq_s, e_s, lse_s, dl_s, ready, empty, dq_ptr,
+                                      dq_desc, dq_tile_desc, dk, dv, s_kidx, s_r, zero_s, zero_dq, lo, hi, qk_scale,
+                                      HKV, G, TOPK, TM, BM, D, DQ_TMA, False, num_warps)
         if DQ_TMA:
             tma.store_wait(0)
         _store_dkdv(dk, dv, dks_ptr, dvs_ptr, it, BN, D, kv_l)
@@ -285,7 +310,7 @@ if gluon is not None:
         gl.thread_barrier()  # every thread's K/V copies, before either partition starts
         n_tiles = (hi - lo + TM - 1) // TM
         gl.warp_specialize([
-            (_bwd_ws_math, (k_s, v_s, q_s, do_s, ds_s, dq_s, e_s, lse_s, dl_s, ready, empty, dq_ptr, dq_desc,
+            (_bwd_ws_math, (k_s, v_s, q_s, do_s, ds_s, dq_s, e_s, lse_s, dl_s, ready, empty, ent_ptr, dq_ptr, dq_desc,
                             dq_tile_desc, dks_ptr, dvs_ptr, it, lo, hi, k0, n_tiles, qk_scale, HKV, G, TOPK, TM,
                             BM, D, DQ_TMA, num_warps)),
             (_bwd_ws_load, (q_ptr, do_ptr, ent_ptr, lse_ptr, delta_ptr, q_s, do_s, e_s, lse_s, dl_s, ready, empty, lo,
