@@ -117,54 +117,76 @@ if gluon is not None:
                 tma.async_copy_global_to_shared(q_desc, [row, 0], ready.index(b), q_s.index(b).slice(j * G, G))
 
     @gluon.jit
+    def _fwd_ws_tile(i, k_s, v_s, q_s, o_s, ready, empty, o_desc, o_tile_desc, lpart_ptr, lo, hi, qk_scale, s_kidx, s_r,
+                     c_tok, ent_ptr, zero_s, zero_o, HKV: gl.constexpr, G: gl.constexpr, TOPK: gl.constexpr,
+                     TM: gl.constexpr, MASK: gl.constexpr):
+        # Tile i of a math warpgroup of _fwd_gluon_ws: S = Q K^T, the softmax over this block, O = P V, then O
+        # through shared memory and TMA (_store_rows), the LSE by plain stores. MASK: the causal mask (c_tok: each
+        # row's token), and the row tokens of this warpgroup's next tile (i + 2) loaded under the MMA and returned;
+        # without it every row sees all 128 keys (its token comes after the block) and the rows past the item's end
+        # (its last token loaded again: finite) are computed but not stored.
+        S: gl.constexpr = q_s.type.shape[0]
+        D: gl.constexpr = q_s.type.shape[2]
+        dt: gl.constexpr = q_s.dtype
+        o_l: gl.constexpr = zero_o.type.layout
+        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+        b = i % S
+        base = lo + i * TM
+        mbarrier.wait(ready.index(b), (i // S) & 1)
+        st = warpgroup_mma(q_s.index(b), k_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        n_tok = c_tok
+        if MASK:
+            n_slot = base + 2 * TM + s_r // G
+            n_tok = gl.load(ent_ptr + n_slot, mask=n_slot < hi, other=0) // (HKV * TOPK)
+        st = warpgroup_mma_wait(0, deps=(st, ))
+        mbarrier.arrive(empty.index(b), count=1)  # the tile's q rows are read: the loader may refill the stage
+        if MASK:
+            sc = gl.where(s_kidx[None, :] <= c_tok[:, None], st * qk_scale, float("-inf"))  # log2 units
+            m = gl.max(sc, 1)
+            m = gl.where(m == float("-inf"), 0.0, m)  # padding rows only: a selected block has a visible key
+        else:
+            sc = st * qk_scale
+            m = gl.max(sc, 1)
+        p = gl.exp2(sc - m[:, None])
+        l = gl.sum(p, 1)
+        o = warpgroup_mma(gl.convert_layout(p.to(dt), p_l), v_s, zero_o, use_acc=False, is_async=True)
+        gl.store(lpart_ptr + base.to(gl.int64) * G + s_r, m + gl.log2(l), mask=base + s_r // G < hi)
+        o = warpgroup_mma_wait(0, deps=(o, ))
+        l_o = gl.convert_layout(l, gl.SliceLayout(1, o_l))
+        o = o / gl.where(l_o > 0, l_o, 1.0)[:, None]
+        _store_rows(o, o_s, o_desc, o_tile_desc, base, hi, G, TM)
+        return n_tok
+
+    @gluon.jit
     def _fwd_ws_math(k_s, v_s, q_s, o_s, kv_bar, ready, empty, o_desc, o_tile_desc, lpart_ptr, ent_ptr, lo, hi, k0,
                      n_tiles, qk_scale, WG: gl.constexpr, HKV: gl.constexpr, G: gl.constexpr, TOPK: gl.constexpr,
                      TM: gl.constexpr):
         # One math warpgroup of _fwd_gluon_ws: tiles WG, WG+2, ... of the item (the two warpgroups alternate, so one
-        # computes its softmax while the other's MMAs run); per tile S = Q K^T, the softmax over this block,
-        # O = P V, then O through shared memory and TMA (_store_rows), the LSE by plain stores.
+        # computes its softmax while the other's MMAs run). Two loops, as in the backward: the tiles holding tokens
+        # of the key block itself (an item's tokens ascend: a prefix of the key's first item, < 128 entries) with the
+        # causal mask, each row's token loaded; the rest with no mask and no entry loads.
         BN: gl.constexpr = 128
-        S: gl.constexpr = q_s.type.shape[0]
         BM: gl.constexpr = q_s.type.shape[1]
         D: gl.constexpr = q_s.type.shape[2]
-        dt: gl.constexpr = q_s.dtype
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
-        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
-        srow_l: gl.constexpr = gl.SliceLayout(1, s_l)
         s_kidx = k0 + gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
-        s_r = gl.arange(0, BM, layout=srow_l)
+        s_r = gl.arange(0, BM, layout=gl.SliceLayout(1, s_l))
         zero_s = gl.zeros([BM, BN], gl.float32, s_l)
         zero_o = gl.zeros([BM, D], gl.float32, o_l)
-        # the token of each row of this warpgroup's first tile (rows past the item's end: masked, token 0)
-        slot = lo + WG * TM + s_r // G
-        c_ok = slot < hi
-        c_tok = gl.load(ent_ptr + slot, mask=c_ok, other=0) // (HKV * TOPK)
+        r = gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        tok = gl.load(ent_ptr + lo + r, mask=lo + r < hi, other=0) // (HKV * TOPK)
+        n_causal = (gl.sum(((lo + r < hi) & (tok < k0 + BN - 1)).to(gl.int32), 0) + TM - 1) // TM
+        slot = lo + WG * TM + s_r // G  # the row tokens of this warpgroup's first tile
+        c_tok = gl.load(ent_ptr + slot, mask=slot < hi, other=0) // (HKV * TOPK)
         mbarrier.wait(kv_bar, 0)
-        for i in range(WG, n_tiles, 2):
-            b = i % S
-            base = lo + i * TM
-            mbarrier.wait(ready.index(b), (i // S) & 1)
-            st = warpgroup_mma(q_s.index(b), k_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            # the next tile's row tokens while the MMA runs
-            n_slot = base + 2 * TM + s_r // G
-            n_ok = n_slot < hi
-            n_tok = gl.load(ent_ptr + n_slot, mask=n_ok, other=0) // (HKV * TOPK)
-            st = warpgroup_mma_wait(0, deps=(st, ))
-            mbarrier.arrive(empty.index(b), count=1)  # the tile's q rows are read: the loader may refill the stage
-            sc = gl.where(s_kidx[None, :] <= c_tok[:, None], st * qk_scale, float("-inf"))  # log2 units
-            m = gl.max(sc, 1)
-            m = gl.where(m == float("-inf"), 0.0, m)  # padding rows only: a selected block has a visible key
-            p = gl.exp2(sc - m[:, None])
-            l = gl.sum(p, 1)
-            o = warpgroup_mma(gl.convert_layout(p.to(dt), p_l), v_s, zero_o, use_acc=False, is_async=True)
-            gl.store(lpart_ptr + base.to(gl.int64) * G + s_r, m + gl.log2(l), mask=c_ok)
-            o = warpgroup_mma_wait(0, deps=(o, ))
-            l_o = gl.convert_layout(l, gl.SliceLayout(1, o_l))
-            o = o / gl.where(l_o > 0, l_o, 1.0)[:, None]
-            _store_rows(o, o_s, o_desc, o_tile_desc, base, hi, G, TM)
-            c_tok = n_tok
-            c_ok = n_ok
+        for i in range(WG, n_causal, 2):
+            c_tok = _fwd_ws_tile(i, k_s, v_s, q_s, o_s, ready, empty, o_desc, o_tile_desc, lpart_ptr, lo, hi, qk_scale,
+                                 s_kidx, s_r, c_tok, ent_ptr, zero_s, zero_o, HKV, G, TOPK, TM, True)
+        # this warpgroup's first tile past the causal ones; the bound computed here (not carried through the loop)
+        for i in range(n_causal + ((WG - n_causal) & 1), (hi - lo + TM - 1) // TM, 2):
+            _fwd_ws_tile(i, k_s, v_s, q_s, o_s, ready, empty, o_desc, o_tile_desc, lpart_ptr, lo, hi, qk_scale, s_kidx,
+                         s_r, c_tok, ent_ptr, zero_s, zero_o, HKV, G, TOPK, TM, False)
         tma.store_wait(0)
 
     @gluon.jit
