@@ -58,7 +58,7 @@ from rl.model import msa  # noqa: E402
 # Item sizes again (run74-75): 768 tokens 22.25 vs 22.78 ms at 32K in one call, 23.36 vs 22.72 in the next (noise);
 # 640 and 1024 slower.
 SWEEP_FWD = [dict()]
-SWEEP_BWD = [dict(), dict(item_tokens=768)]
+SWEEP_BWD = [dict(), dict(dkdv_cols=128)]
 
 
 def parse_args():

@@ -224,15 +224,16 @@ if triton is not None:
 
     @triton.jit
     def _reduce_dkdv(dks_ptr, dvs_ptr, key_item0_ptr, kstart_ptr, kend_ptr, dk_ptr, dv_ptr, NKB, scale,
-                     HKV: tl.constexpr, D: tl.constexpr):
-        # dK/dV of one (KV head, key block): its items' sums in item order; zeros for a block nobody selected.
+                     HKV: tl.constexpr, D: tl.constexpr, DC: tl.constexpr):
+        # dK/dV of one (KV head, key block), DC of its D columns: its items' sums in item order; zeros for a block
+        # nobody selected.
         key = tl.program_id(0)
         h = key // NKB
         kb = key - h * NKB
         r = tl.arange(0, 128)
-        d = tl.arange(0, D)
-        ak = tl.zeros([128, D], tl.float32)
-        av = tl.zeros([128, D], tl.float32)
+        d = tl.program_id(1) * DC + tl.arange(0, DC)
+        ak = tl.zeros([128, DC], tl.float32)
+        av = tl.zeros([128, DC], tl.float32)
         for it in range(tl.load(key_item0_ptr + key), tl.load(key_item0_ptr + key + 1)):
             srow = (it * 128 + r).to(tl.int64)[:, None] * D + d[None, :]  # it: an int under the interpreter
             ak += tl.load(dks_ptr + srow)
@@ -374,8 +375,9 @@ def _backward(q, k, v, o, lse, do, plan: Plan, scale: float, config: Config, dq,
         _reduce_dq[(triton.cdiv(rows, r),)](dq_buf, plan.slot_pos, dq, rows, ne, scale, HQ=hq, HKV=hkv, G=g,
                                             TOPK=topk, D=dim, NH=nh, R=r)
     if plan.nkb:
-        _reduce_dkdv[(hkv * plan.nkb,)](dks, dvs, plan.key_item0, plan.kstart, plan.kend, dk, dv, plan.nkb,
-                                        scale, HKV=hkv, D=dim)
+        dc = min(config.dkdv_cols, dim)
+        _reduce_dkdv[(hkv * plan.nkb, dim // dc)](dks, dvs, plan.key_item0, plan.kstart, plan.kend, dk, dv,
+                                                  plan.nkb, scale, HKV=hkv, D=dim, DC=dc)
 
 
 class _BlockOuter(torch.autograd.Function):

@@ -57,6 +57,9 @@ class Config:
     # tokens for less than SDPA plus gathering them (run12 sweep: 33.6 vs 34.9 ms at 32K, 5.1 vs 5.5 ms at 4K).
     dense_prefix_min: int = 0
     row_tile: int = 128  # rows per program of the row-wise kernels (merge, delta, dQ sum)
+    # head-dim columns per program of the dK/dV sum over a key block's items (a power of two): one program per key
+    # block is fewer programs than SMs at 4K tokens (Hkv*NKB = 128)
+    dkdv_cols: int = 32
     # Sequences per kernel call: consecutive sequences of at most this many tokens together (0: the whole batch). The
     # per-entry partials scale with the tokens of a call (~0.26 MB per token for M3); 16K-token calls run at the
     # 64K-token rate per token (run14c: 14.0 vs 55.9 ms fwd+bwd per 16K / 64K).
@@ -71,6 +74,8 @@ class Config:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"msa_block_outer Config.{name}={getattr(self, name)!r}: expected one of {allowed}")
+        if self.dkdv_cols < 1 or self.dkdv_cols & (self.dkdv_cols - 1):
+            raise ValueError(f"msa_block_outer Config.dkdv_cols={self.dkdv_cols}: expected a power of two")
         if self.bwd_keys not in (64, 128):
             raise ValueError(f"msa_block_outer Config.bwd_keys={self.bwd_keys}: expected 64 or 128")
 

@@ -67,7 +67,7 @@ def _plan_mismatch(ids, cu, cfg):
 CASES = {  # name -> _case kwargs; tiny, as the interpreter runs every program in Python
     # topk 2: positions < 256 are the dense prefix; the 77-token sequence is dense throughout
     "packed_dense_prefix": dict(lengths=[300, 77, 260], hq=4, hkv=2, dim=16, topk=2, dense_prefix_min=1,
-                                item_tokens=16),
+                                item_tokens=16, dkdv_cols=4),  # the dK/dV sum in 4 programs per key block
     "no_prefix_init_split": dict(lengths=[300, 100], hq=2, hkv=1, dim=16, topk=3, init=1, dense_prefix_min=0,
                                  item_tokens=16, fwd_rows=16, bwd_rows=8),
     "bwd_half_blocks": dict(lengths=[260], hq=2, hkv=1, dim=16, topk=2, dense_prefix_min=0, bwd_keys=64,
@@ -112,7 +112,7 @@ def test_config_rejects_unknown_choices():
     from rl.model import msa_block_outer as mbo
 
     for bad in (dict(bwd_kernel="glu0n"), dict(fwd_kernel="cuda"), dict(dq="atomics"), dict(order="lpt"),
-                dict(part_dtype="fp16"), dict(bwd_keys=96), dict(dq_store="smem")):
+                dict(part_dtype="fp16"), dict(bwd_keys=96), dict(dq_store="smem"), dict(dkdv_cols=24)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             mbo.Config(**bad)
 
