@@ -56,7 +56,8 @@ from rl.model import msa  # noqa: E402
 # 22.21 at 32K) and 256-token items (2.97, 24.13) again slower. The forward's adjacent selected blocks as one 256-key
 # entry (run72-73, results/gpu/run73/pairs_not_kept.patch): fwd+bwd 22.40 vs 21.87 ms at 32K, 3.09 vs 2.85 at 4K.
 # Item sizes again (run74-75): 768 tokens 22.25 vs 22.78 ms at 32K in one call, 23.36 vs 22.72 in the next (noise);
-# 640 and 1024 slower.
+# 640 and 1024 slower. The dK/dV sum on 32-column programs vs one program per key block (run83): 4K fwd+bwd 2.72 vs
+# 2.94 ms single, 2.32 vs 2.39 back to back; _reduce_dkdv 0.024 vs 0.069 ms at 4K, 0.19 vs 0.29 at 32K.
 SWEEP_FWD = [dict()]
 SWEEP_BWD = [dict(), dict(dkdv_cols=128)]
 

@@ -25,16 +25,17 @@ On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1; tests onl
 The plan (`build_plan`) never waits for the device: the grid is a host-computed bound on the number of items, the
 tail of the item tables is empty rows, launched last, whose programs do no work.
 
-Measured on one H200 (results/gpu/run76, issue18_targets.json; 64 q / 4 KV heads, d 128, top-16, bf16): fwd 7.9 ms,
-fwd+bwd 22.1 ms at 32K tokens (22.3 per call back to back, as between a model's layers; 22.0-23.0 from one machine to
-the next; per-token kernels 99 ms, dense causal SDPA 116 ms), 45.2 ms at 64K (SDPA 455 ms); faster than SDPA from 8K
-tokens (single sequence), 1.3x slower at 4K (1.1x back to back). On Hopper the forward and backward are the
-warp-specialized Gluon kernels of rl.model.msa_block_outer_gluon_ws (5.0 and 10.4 ms at 32K; the unspecialized
-`_fwd_gluon` / `_bwd_gluon` of rl.model.msa_block_outer_gluon and this file's Triton `_fwd` / `_bwd` run where those
-tiles do not fit, and on request, Config.fwd_kernel / bwd_kernel); the merge and dQ sum 4.5 ms (at bandwidth: the cost
-of the partials; the merge's two passes 2.34 vs 2.48 ms for the online form, results/gpu/run74), the plan 0.2 ms of GPU
-time. Measured and not kept: the forward's adjacent selected blocks as one 256-key entry (fewer partials, but a second
-plan for the backward and no faster forward kernels; results/gpu/run73/pairs_not_kept.patch).
+Measured on one H200 (results/gpu/run81-83, issue18_targets.json; 64 q / 4 KV heads, d 128, top-16, bf16): fwd 7.5-8.1
+ms, fwd+bwd 21.0-21.6 ms at 32K tokens (21.0-21.9 per call back to back, as between a model's layers; per-token
+kernels 99 ms, dense causal SDPA 113 ms), 41.8-43.8 ms at 64K (SDPA 449 ms); faster than SDPA from 8K tokens (single
+sequence), 1.2x slower at 4K in a single call (the plan's and the launches' host work, ~0.75 ms before the first
+attention kernel) and 1.02-1.06x back to back. On Hopper the forward and backward are the warp-specialized Gluon
+kernels of rl.model.msa_block_outer_gluon_ws (4.6 and 9.4 ms at 32K; the unspecialized `_fwd_gluon` / `_bwd_gluon` of
+rl.model.msa_block_outer_gluon and this file's Triton `_fwd` / `_bwd` run where those tiles do not fit, and on request,
+Config.fwd_kernel / bwd_kernel); the merge and dQ sum 4.5 ms (at bandwidth: the cost of the partials; the merge's two
+passes 2.34 vs 2.48 ms for the online form, results/gpu/run74), the plan 0.2 ms of GPU time. Measured and not kept:
+the forward's adjacent selected blocks as one 256-key entry (fewer partials, but a second plan for the backward and no
+faster forward kernels; results/gpu/run73/pairs_not_kept.patch).
 """
 
 from __future__ import annotations

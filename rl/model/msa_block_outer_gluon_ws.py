@@ -11,6 +11,13 @@ fwd+bwd at 32K, 47.45 vs 49.29 at 64K. Nsight Compute (run45, before the TMA sto
 around the dS exchange for dQ (shared memory store, fence, CTA barrier) and the wait for all five MMAs at its end; the
 tensor cores idle during the dQ epilogue. Tried and slower: a 3-stage ring (24.25 ms).
 
+Both kernels mask only where a mask can bite: an item's tokens ascend, so the tokens inside its own key block (the
+only ones with keys after them in it) are a prefix of the key's first item, < 128 entries. The math partitions count
+those tiles once per item and run two loops, the first with the causal mask (and, forward, the row-token loads it
+needs), the rest with none (rows past the item's end are zero copies in the backward, finite repeats in the forward,
+and are not stored). The common loop: 475 vs 709 SASS instructions backward, ~925 vs ~1100 forward (offline sm_90
+compiles); measured at 32K (run82, old code in the same call): backward 9.41 vs 10.71 ms, forward 4.64 vs 5.09.
+
 Forward (`_fwd_gluon_ws`): a loader warp brings the item's K/V block and each tile's q rows by TMA (a token's G query
 heads of one KV head are contiguous rows: one box per token) into a 4-stage ring; two math warpgroups take alternate
 tiles, so one's softmax runs under the other's MMAs; the partial output leaves by TMA like dQ. One program per SM (160
