@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import gpu_idle  # noqa: E402  (scripts/, this file's folder)
 from rl.model import msa  # noqa: E402
 
 # Config fields changed from rl.model.msa_block_outer.DEFAULT: SWEEP_FWD timed forward only, SWEEP_BWD forward+backward.
@@ -302,18 +303,10 @@ def profile(total, args, device, dtype, gen):
     rows.sort(key=lambda r: -r["ms"])
     # The GPU's idle time inside the three calls: gaps between consecutive kernels (the largest, with their
     # neighbours), and the span from the first kernel's start to the last one's end
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
-    gaps, end, before = [], spans[0][1] if spans else 0, spans[0][2] if spans else ""
-    for start, stop, name in spans[1:]:
-        if start > end:
-            gaps.append({"us": start - end, "after": before[:60], "before": name[:60]})
-        if stop >= end:
-            end, before = stop, name
-    gaps.sort(key=lambda g: -g["us"])
+    idle = gpu_idle.idle_gaps(gpu_idle.kernel_spans(prof.events()))
     return {"tokens": total, "kernels_ms_total": sum(r["ms"] for r in rows), "kernels": rows[:25],
-            "span_ms": (end - spans[0][0]) / 1e3 / 3 if spans else None,
-            "idle_ms": sum(g["us"] for g in gaps) / 1e3 / 3, "largest_gaps": gaps[:8]}
+            "span_ms": idle["span_us"] / 1e3 / 3 or None, "idle_ms": idle["idle_us"] / 1e3 / 3,
+            "largest_gaps": idle["largest_gaps"]}
 
 
 def trace(total, args, device, dtype, gen, out_dir):

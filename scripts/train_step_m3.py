@@ -31,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import gpu_idle  # noqa: E402  (scripts/, this file's folder)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -300,7 +301,12 @@ def profile_step(model, optimizer, batch, token_adv, device) -> dict:
             row[0] += k.duration
             row[1] += 1
     top = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
+    # the step's GPU idle time (no kernel on any stream), its largest gaps and the kernel pairs around the most of it
+    idle = gpu_idle.idle_gaps(gpu_idle.kernel_spans(events), top=15)
     return {"gpu_ms": {k: round(v / 1e3, 1) for k, v in split.items()},
+            "gpu_idle": {"span_ms": round(idle["span_us"] / 1e3, 1), "idle_ms": round(idle["idle_us"] / 1e3, 1),
+                         "gaps": idle["gaps"], "largest_gaps": idle["largest_gaps"],
+                         "idle_by_neighbours": idle["idle_by_neighbours"]},
             "attributed_gpu_ms": round(attributed / 1e3, 1), "device_events_gpu_ms": round(device_total / 1e3, 1),
             "top_kernels": [{"category": c, "op": op, "kernel": k, "ms": round(us / 1e3, 1), "launches": n}
                             for (c, op, k), (us, n) in top],

@@ -103,9 +103,15 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
         print(name, "tok/s", round(r["tokens_per_s"] or 0), "mfu", round(r.get("mfu_vs_989_tflops") or 0, 4),
               "peak", round(r["peak_allocated_gb_max"], 1), "mem", {k: round(v, 1) for k, v in
                                                                    rk.get("memory_breakdown_gb", {}).items()},
-              "split", {k: v for k, v in rk.get("time_split", {}).items() if k != "top_kernels"})
+              "split", {k: v for k, v in rk.get("time_split", {}).items() if k not in ("top_kernels", "gpu_idle")})
         for k in rk.get("time_split", {}).get("top_kernels", [])[:15]:
             print("  ", k["ms"], "ms", k["launches"], k["category"], k["op"][:40], k["kernel"][:70])
+        idle = rk.get("time_split", {}).get("gpu_idle")
+        if idle:
+            print(name, "GPU idle", idle["idle_ms"], "ms of", idle["span_ms"], "in", idle["gaps"], "gaps")
+            for g in idle["idle_by_neighbours"][:10]:
+                print("   idle", round(g["us"] / 1e3, 2), "ms", g["gaps"], "gaps after", g["after"][:45], "before",
+                      g["before"][:45])
         if "memory_at_peak" in rk:
             print(name, "at peak", json.dumps(rk["memory_at_peak"]["live_at_peak_by_site_gb"]))
     elif name == "bench_msa.json":
