@@ -124,6 +124,15 @@ if gluon is not None:
                 tma.async_copy_global_to_shared(q_desc, [row, 0], ready.index(b), q_s.index(b).slice(j * G, G))
 
     @gluon.jit
+    def _causal_tiles(ent_ptr, lo, hi, k0, HKV: gl.constexpr, TOPK: gl.constexpr, TM: gl.constexpr,
+                      num_warps: gl.constexpr):
+        # Tiles at the item's start that hold tokens of the key block itself (the only ones with keys after them in
+        # it): an item's tokens ascend, so they are a prefix of the key's first item, < 128 entries.
+        r = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+        tok = gl.load(ent_ptr + lo + r, mask=lo + r < hi, other=0) // (HKV * TOPK)
+        return (gl.sum(((lo + r < hi) & (tok < k0 + 127)).to(gl.int32), 0) + TM - 1) // TM
+
+    @gluon.jit
     def _fwd_ws_tile(i, k_s, v_s, q_s, o_s, ready, empty, o_desc, o_tile_desc, lpart_ptr, lo, hi, qk_scale, s_kidx, s_r,
                      c_tok, ent_ptr, zero_s, zero_o, HKV: gl.constexpr, G: gl.constexpr, TOPK: gl.constexpr,
                      TM: gl.constexpr, MASK: gl.constexpr):
@@ -166,11 +175,10 @@ if gluon is not None:
 
     @gluon.jit
     def _fwd_ws_math(k_s, v_s, q_s, o_s, kv_bar, ready, empty, o_desc, o_tile_desc, lpart_ptr, ent_ptr, lo, hi, k0,
-                     n_tiles, qk_scale, WG: gl.constexpr, HKV: gl.constexpr, G: gl.constexpr, TOPK: gl.constexpr,
+                     qk_scale, WG: gl.constexpr, HKV: gl.constexpr, G: gl.constexpr, TOPK: gl.constexpr,
                      TM: gl.constexpr):
         # One math warpgroup of _fwd_gluon_ws: tiles WG, WG+2, ... of the item (the two warpgroups alternate, so one
-        # computes its softmax while the other's MMAs run). Two loops, as in the backward: the tiles holding tokens
-        # of the key block itself (an item's tokens ascend: a prefix of the key's first item, < 128 entries) with the
+        # computes its softmax while the other's MMAs run). Two loops, as in the backward: the _causal_tiles with the
         # causal mask, each row's token loaded; the rest with no mask and no entry loads.
         BN: gl.constexpr = 128
         BM: gl.constexpr = q_s.type.shape[1]
@@ -181,9 +189,7 @@ if gluon is not None:
         s_r = gl.arange(0, BM, layout=gl.SliceLayout(1, s_l))
         zero_s = gl.zeros([BM, BN], gl.float32, s_l)
         zero_o = gl.zeros([BM, D], gl.float32, o_l)
-        r = gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [4], [0]))
-        tok = gl.load(ent_ptr + lo + r, mask=lo + r < hi, other=0) // (HKV * TOPK)
-        n_causal = (gl.sum(((lo + r < hi) & (tok < k0 + BN - 1)).to(gl.int32), 0) + TM - 1) // TM
+        n_causal = _causal_tiles(ent_ptr, lo, hi, k0, HKV, TOPK, TM, 4)
         slot = lo + WG * TM + s_r // G  # the row tokens of this warpgroup's first tile
         c_tok = gl.load(ent_ptr + slot, mask=slot < hi, other=0) // (HKV * TOPK)
         mbarrier.wait(kv_bar, 0)
@@ -222,9 +228,9 @@ if gluon is not None:
             mbarrier.init(empty.index(b), count=1)
         gl.warp_specialize([
             (_fwd_ws_math, (k_s, v_s, q_s, o_s0, kv_bar, ready, empty, o_desc, o_tile_desc, lpart_ptr, ent_ptr, lo,
-                            hi, k0, n_tiles, qk_scale, 0, HKV, G, TOPK, TM)),
+                            hi, k0, qk_scale, 0, HKV, G, TOPK, TM)),
             (_fwd_ws_math, (k_s, v_s, q_s, o_s1, kv_bar, ready, empty, o_desc, o_tile_desc, lpart_ptr, ent_ptr, lo,
-                            hi, k0, n_tiles, qk_scale, 1, HKV, G, TOPK, TM)),
+                            hi, k0, qk_scale, 1, HKV, G, TOPK, TM)),
             (_fwd_ws_load, (q_desc, k_desc, v_desc, ent_ptr, k_s, v_s, q_s, kv_bar, ready, empty, lo, hi, h, k0,
                             n_tiles, HQ, HKV, G, TOPK, TM)),
         ], [4, 1], [232, 24])
@@ -289,15 +295,13 @@ if gluon is not None:
                      G: gl.constexpr, TOPK: gl.constexpr, TM: gl.constexpr, BM: gl.constexpr, D: gl.constexpr,
                      DQ_TMA: gl.constexpr, num_warps: gl.constexpr):
         # The math partition of _bwd_gluon_ws: _bwd_gluon's tile loop without its copies and entry loads, in two
-        # loops: the tiles holding tokens of the key block itself (an item's tokens ascend: a prefix of its first
-        # item, < 128 entries) apply the causal mask, the rest see every key of the block and skip it.
+        # loops: the _causal_tiles with the causal and row masks, the rest with none (every row sees all 128 keys;
+        # rows past the item's end are zero copies: they add exact zeros and their dQ is not stored).
         BN: gl.constexpr = 128
         kv_l: gl.constexpr = _bwd_layouts(BM, D, num_warps)[1]
         s_kidx, s_r, zero_s, zero_dq, dk, dv = _bwd_init(k0, BM, D, num_warps)
         if DQ_TMA:
-            r = gl.arange(0, BN, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
-            tok = gl.load(ent_ptr + lo + r, mask=lo + r < hi, other=0) // (HKV * TOPK)
-            n_causal = (gl.sum(((lo + r < hi) & (tok < k0 + BN - 1)).to(gl.int32), 0) + TM - 1) // TM
+            n_causal = _causal_tiles(ent_ptr, lo, hi, k0, HKV, TOPK, TM, num_warps)
         else:  # dQ from registers: two loops spill inside the MMA loop (64 B of stack): every tile masked
             n_causal = n_tiles
         for i in range(n_causal):
