@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_default(run, *overrides) -> tuple[dict, float, float]:
     """(summary, mean reward of the first 5 steps, of the last 5) of `python -m rl.train` with the overrides."""
-    # The RL phase on both cores: nothing else runs beside this test (measured: the same metrics as on 1 thread,
-    # 4 min 28 s instead of 5 min 37 s)
+    # Alone, the RL phase on both cores (measured: the same metrics as on 1 thread, 4 min 28 s instead of 5 min 37 s);
+    # beside another xdist worker (make test), tests/conftest.py has set M3RL_TORCH_THREADS=1 and OMP_NUM_THREADS=1
     env = dict(os.environ, PYTHONPATH=str(ROOT), M3RL_TORCH_THREADS=os.environ.get("M3RL_TORCH_THREADS", "2"))
     subprocess.run([sys.executable, "-m", "rl.train", f"trainer.run_dir={run}", "logger.wandb_mode=disabled",
                     *overrides], cwd=ROOT, env=env, check=True, timeout=3600)
