@@ -33,11 +33,12 @@ def copy_with(src: Path, dst: Path, edit) -> Path:
     return dst
 
 
-def test_recipe_dry_run_prints_the_plan_and_exits_0(math_data):
+def test_recipe_dry_run_prints_the_plan_and_exits_0(math_data, tmp_path):
     ckpt = quantized_tiny_model("float32")
     p = subprocess.run([sys.executable, "-m", "rl.train", "--config-path", "../recipes", "--config-name", RECIPE.stem,
                         f"model.path={ckpt}", f"data.train_files={math_data}/dapo-math-17k.parquet",
                         f"data.val_files={math_data}/aime-2024-pascal.parquet", "trainer.dry_run=true",
+                        f"trainer.run_dir={tmp_path}/run",  # Hydra's log and config there, not in the repo's runs/
                         # every library's debug log on: none of it may reach stdout, which carries only the plan
                         "hydra.job_logging.root.level=DEBUG"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
