@@ -7,7 +7,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # another worker, each worker and what it starts compute on one thread: OpenMP threads spin on a core that another
 # process holds (2 threads beside a busy core made the engine's generate 3-20x slower, results/make_train_cpu.json).
 # Set before torch is imported here; an in-process vLLM engine later blocks torch.set_num_threads for the process.
-if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+PARALLEL = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1
+if PARALLEL:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("M3RL_TORCH_THREADS", "1")  # rl.train's RL phase (rl/session.py)
 
@@ -17,7 +18,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 and "torch" in sys.modules:  # imported by a plugin
+if PARALLEL and "torch" in sys.modules:  # imported by a plugin
     sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # Tests started before all others: on 2 workers the rest of the suite runs beside them (the embedded

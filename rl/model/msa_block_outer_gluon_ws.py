@@ -314,7 +314,6 @@ if gluon is not None:
                 dk, dv = _bwd_ws_step(i, k_s, v_s, q_s, do_s, ds_s, dq_s, e_s, lse_s, dl_s, ready, empty, dq_ptr,
                                       dq_desc, dq_tile_desc, dk, dv, s_kidx, s_r, zero_s, zero_dq, lo, hi, qk_scale,
                                       HKV, G, TOPK, TM, BM, D, DQ_TMA, False, num_warps)
-        if DQ_TMA:
             tma.store_wait(0)
         _store_dkdv(dk, dv, dks_ptr, dvs_ptr, it, BN, D, kv_l)
 
