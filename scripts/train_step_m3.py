@@ -301,6 +301,10 @@ def profile_step(model, optimizer, batch, token_adv, device) -> dict:
             row[0] += k.duration
             row[1] += 1
     top = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
+    by_op = collections.defaultdict(lambda: [0.0, 0])  # every kernel, summed by (category, op): a category's parts
+    for (c, op, _), (us, n) in by_kernel.items():
+        by_op[(c, op)][0] += us
+        by_op[(c, op)][1] += n
     # the step's GPU idle time (no kernel on any stream), its largest gaps and the kernel pairs around the most of it
     idle = gpu_idle.idle_gaps(gpu_idle.kernel_spans(events), top=15)
     return {"gpu_ms": {k: round(v / 1e3, 1) for k, v in split.items()},
@@ -310,6 +314,8 @@ def profile_step(model, optimizer, batch, token_adv, device) -> dict:
             "attributed_gpu_ms": round(attributed / 1e3, 1), "device_events_gpu_ms": round(device_total / 1e3, 1),
             "top_kernels": [{"category": c, "op": op, "kernel": k, "ms": round(us / 1e3, 1), "launches": n}
                             for (c, op, k), (us, n) in top],
+            "by_op": [{"category": c, "op": op, "ms": round(us / 1e3, 1), "launches": n}
+                      for (c, op), (us, n) in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]],
             "analysis_s": round(time.perf_counter() - t0, 1)}
 
 

@@ -13,7 +13,8 @@
 #   bench_mxfp8           scripts/bench_mxfp8_linear.py --trainer (the trainer's projection shapes, 4 and 8 x 16K)
 #   slice:L:S:BASE[:P[:C[:M]]]  scripts/train_step_m3.py at M3 width: L layers, S x 16K tokens, BASE quantized|bf16,
 #                         activation checkpointing on, MoE chunks of C tokens (default 16384); P=1: the time split;
-#                         M=1: what is live at the peak of one more step, by allocation site (--memory-peak)
+#                         M=1: what is live at the peak of one more step, by allocation site (--memory-peak);
+#                         SLICE_STEPS timed steps (default 2)
 #   trainer_tests         pytest -m gpu: the trainer fast-paths test (tests/rl/model/test_trainer_gpu.py) and the fused
 #                         SwiGLU and add-norm backward kernels (test_swiglu_triton.py, test_lean_triton.py)
 #   block_tests           pytest -m gpu: the block-outer MSA kernels alone (tests/rl/model/test_msa_block_outer.py)
@@ -65,8 +66,8 @@ for step in "$@"; do
       p=${prof:-0}; chunk=${chunk:-16384}
       name="slice${layers}x${seqs}_${base}$([ "$chunk" != 16384 ] && echo "_c$chunk")"
       run "$name" "$(lim 240)" torchrun --nproc-per-node 1 scripts/train_step_m3.py --layers "$layers" --seq-len 16384 \
-          --seqs-per-rank "$seqs" --steps 2 --base "$base" --shard-base 0 --moe-chunk-tokens "$chunk" --profile "$p" \
-          --memory-peak "${mpeak:-0}" --out "$OUT/$name.json" ;;
+          --seqs-per-rank "$seqs" --steps "${SLICE_STEPS:-2}" --base "$base" --shard-base 0 \
+          --moe-chunk-tokens "$chunk" --profile "$p" --memory-peak "${mpeak:-0}" --out "$OUT/$name.json" ;;
     trainer_tests)
       M3RL_GPU_REPORT="$OUT/trainer_gpu.json" run trainer_tests "$(lim 200)" $P -s $TRAINER_GPU_TESTS ;;
     block_tests)
@@ -103,9 +104,12 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
         print(name, "tok/s", round(r["tokens_per_s"] or 0), "mfu", round(r.get("mfu_vs_989_tflops") or 0, 4),
               "peak", round(r["peak_allocated_gb_max"], 1), "mem", {k: round(v, 1) for k, v in
                                                                    rk.get("memory_breakdown_gb", {}).items()},
-              "split", {k: v for k, v in rk.get("time_split", {}).items() if k not in ("top_kernels", "gpu_idle")})
+              "split", {k: v for k, v in rk.get("time_split", {}).items()
+                        if k not in ("top_kernels", "gpu_idle", "by_op")})
         for k in rk.get("time_split", {}).get("top_kernels", [])[:15]:
             print("  ", k["ms"], "ms", k["launches"], k["category"], k["op"][:40], k["kernel"][:70])
+        for k in rk.get("time_split", {}).get("by_op", [])[:25]:
+            print("   op", k["ms"], "ms", k["launches"], k["category"], k["op"][:60])
         idle = rk.get("time_split", {}).get("gpu_idle")
         if idle:
             print(name, "GPU idle", idle["idle_ms"], "ms of", idle["span_ms"], "in", idle["gaps"], "gaps")
