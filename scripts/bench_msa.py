@@ -398,12 +398,17 @@ def main():
     for total in (int(x) for x in args.trace.split(",") if x):
         os.makedirs(out_dir, exist_ok=True)
         report.setdefault("traces", []).extend(trace(total, args, device, dtype, gen, out_dir))
+    emit(report, table(report), args.out)
+
+
+def emit(report: dict, summary: str, out: str | None) -> None:
+    """The report as JSON on stdout, then the summary lines; also the JSON to `out` if given."""
     text = json.dumps(report, indent=2)
     print(text)
-    print(table(report))
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
+    print(summary)
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
             f.write(text + "\n")
 
 

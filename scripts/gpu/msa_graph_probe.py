@@ -11,7 +11,6 @@ with the eager call's (max |difference|).
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, "..", ".."), os.path.join(HERE, "..")]
-from bench_msa import make_case, timed  # noqa: E402  (scripts/)
+from bench_msa import emit, make_case, timed  # noqa: E402  (scripts/)
 from rl.model import msa  # noqa: E402
 from rl.model import msa_block_outer as mbo  # noqa: E402
 
@@ -142,18 +141,14 @@ def main():
     report = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "torch": torch.__version__,
               "device": torch.cuda.get_device_name(device),
               "results": [probe(int(t), args, device, gen) for t in args.lengths.split(",")]}
-    text = json.dumps(report, indent=2)
-    print(text)
+    lines = []
     for r in report["results"]:
-        print(r["tokens"], r.get("capture_error", ""), r.get("max_abs_diff", ""))
-        for name in ("msa_eager", "msa_plan_graph", "msa_graphs", "msa_graphs_copies", "sdpa_eager", "sdpa_graph"):
-            if name in r:
-                print(f"  {name:18s} single {r[name]['median_ms']:6.3f} ms (host {r[name]['host_ms']:5.3f})"
-                      f"  b2b {r[name + '_b2b']['median_ms']:6.3f}")
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+        lines.append(f"{r['tokens']} {r.get('capture_error', '')} {r.get('max_abs_diff', '')}")
+        lines += [f"  {name:18s} single {r[name]['median_ms']:6.3f} ms (host {r[name]['host_ms']:5.3f})"
+                  f"  b2b {r[name + '_b2b']['median_ms']:6.3f}"
+                  for name in ("msa_eager", "msa_plan_graph", "msa_graphs", "msa_graphs_copies", "sdpa_eager",
+                               "sdpa_graph") if name in r]
+    emit(report, "\n".join(lines), args.out)
 
 
 if __name__ == "__main__":
