@@ -191,11 +191,14 @@ def _chunks(packed, scale, bounds, chunk, overlap, into):
             freed[i % 2].record(main)
 
 
-def _run(inp, packed, scale, gs_host, bounds, dgrad, chunk, overlap, decoded=None, into=None):
+def _run(inp, packed, scale, gs_host, bounds, dgrad, chunk, overlap, decoded=None, into=None, out=None):
     """out rows of expert e = bf16(fp32acc(inp_e @ op(W_e)) * gs[e]), op = transpose (forward) or identity; the
-    weights decoded here (into `into` if given), or `decoded` [E, N, K] (kept from an earlier call)."""
+    weights decoded here (into `into` if given), or `decoded` [E, N, K] (kept from an earlier call). A given `out`
+    (bf16, contiguous) is added to: bf16(fp32acc * gs[e] + out) in each GEMM's epilogue (cuBLAS beta = 1)."""
     e_total, n, kh = packed.shape
-    out = torch.empty(inp.shape[0], 2 * kh if dgrad else n, dtype=torch.bfloat16, device=inp.device)
+    beta = 0 if out is None else 1
+    if out is None:
+        out = torch.empty(inp.shape[0], 2 * kh if dgrad else n, dtype=torch.bfloat16, device=inp.device)
     inp = inp.contiguous()
     chunks = [(0, e_total, decoded)] if decoded is not None else _chunks(packed, scale, bounds, chunk, overlap, into)
     for e0, e1, buf in chunks:
@@ -203,8 +206,8 @@ def _run(inp, packed, scale, gs_host, bounds, dgrad, chunk, overlap, decoded=Non
             lo, hi = bounds[e], bounds[e + 1]
             if hi > lo:
                 w = buf[e - e0]
-                # beta=0: the output slice is not read (torch.addmm's contract), only written
-                out[lo:hi].addmm_(inp[lo:hi], w if dgrad else w.t(), beta=0, alpha=gs_host[e])
+                # beta=0: the output slice is not read (torch.addmm's contract), only written; 1: added to
+                out[lo:hi].addmm_(inp[lo:hi], w if dgrad else w.t(), beta=beta, alpha=gs_host[e])
     return out
 
 
@@ -216,8 +219,13 @@ def dequant_fwd(x, packed, scale, gs_host, bounds, chunk=None, overlap=True, int
                 into=into)
 
 
-def dequant_dgrad(dy, packed, scale, gs_host, bounds, chunk=None, overlap=True, decoded=None):
+def dequant_dgrad(dy, packed, scale, gs_host, bounds, chunk=None, overlap=True, decoded=None, accumulate=None):
     """dy [M, N] -> dx [M, K] = bf16(fp32acc(dy_e @ W_e) * gs[e]) per expert; decoded: the weights a forward
-    decoded ``into`` (same bounds), else decoded here."""
+    decoded ``into`` (same bounds), else decoded here. accumulate: a bf16 [M, K] tensor dx is added to in place
+    (bf16(fp32acc * gs[e] + accumulate), one rounding) and returned."""
+    if accumulate is not None and (accumulate.dtype != torch.bfloat16 or not accumulate.is_contiguous()
+                                   or tuple(accumulate.shape) != (dy.shape[0], 2 * packed.shape[2])):
+        raise ValueError(f"accumulate: expected a contiguous bf16 [{dy.shape[0]}, {2 * packed.shape[2]}] tensor, "
+                         f"got {accumulate.dtype} {tuple(accumulate.shape)}")
     return _run(dy.to(torch.bfloat16), packed, scale, gs_host, bounds, True, chunk or CHUNK_EXPERTS, overlap,
-                decoded=decoded)
+                decoded=decoded, out=accumulate)

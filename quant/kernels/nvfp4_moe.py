@@ -30,6 +30,8 @@ from quant.kernels.nvfp4_moe_gemm import gluon_dgrad_device, launch_dgrad, launc
 
 __all__ = [
     "expert_offsets",
+    "nvfp4_moe_forward",
+    "nvfp4_moe_input_grad",
     "nvfp4_moe_linear",
     "nvfp4_moe_linear_reference",
     "sort_by_expert",
@@ -137,20 +139,43 @@ def _host(gs, offsets):
     return vals[:e], [int(v) for v in vals[e:]]
 
 
+def nvfp4_moe_forward(x, packed, scale, gs, offsets, *, config=None, decoder=None, impl=None, host=None,
+                      keep_decoded=False):
+    """``nvfp4_moe_linear``'s forward on CUDA operands as it prepares them (bf16 x, fp32 gs [E], int32 offsets),
+    outside autograd: (y, decoded, host), what ``nvfp4_moe_input_grad`` takes back: the bf16 weights the decode path
+    kept (``keep_decoded``; else None) and the (decode scales, offsets) host lists it read (or the given ``host``).
+    For callers that fuse it into their own autograd node (rl.model.lora's experts with LoRA)."""
+    decoded = None
+    if _pick(impl, x.shape[0], packed.shape[0], "fwd") == "dequant":
+        host = host or _host(gs, offsets)
+        if keep_decoded and _pick(impl, x.shape[0], packed.shape[0], "dgrad",
+                                  gluon_dgrad_device(x, decoder)) == "dequant":
+            decoded = torch.empty(*packed.shape[:-1], packed.shape[-1] * 2, dtype=torch.bfloat16,
+                                  device=packed.device)
+        return dequant_fwd(x, packed, scale, *host, into=decoded), decoded, host
+    return launch_fwd(x, packed, scale, gs, offsets, config=config, decoder=decoder), None, host
+
+
+def nvfp4_moe_input_grad(grad, packed, scale, gs, offsets, *, decoded=None, host=None, decoder=None, impl=None,
+                         accumulate=None):
+    """The input gradient dx [M, K] = bf16(fp32acc(grad_e @ (e2m1 * s)_e) * gs[e]) of ``nvfp4_moe_forward``'s call
+    (its ``decoded`` and ``host``). ``accumulate``: a bf16 [M, K] tensor dx is added to in place and returned, on
+    the decode path inside each expert's GEMM (cuBLAS beta = 1: one rounding of the fp32 sum, no [M, K] temporary),
+    on the fused kernels' path as one add."""
+    g = grad.to(torch.bfloat16)
+    if decoded is not None or _pick(impl, g.shape[0], packed.shape[0], "dgrad",
+                                    gluon_dgrad_device(g, decoder)) == "dequant":
+        return dequant_dgrad(g, packed, scale, *(host or _host(gs, offsets)), decoded=decoded, accumulate=accumulate)
+    gx = launch_dgrad(g, packed, scale, gs, offsets, decoder=decoder)
+    return gx if accumulate is None else accumulate.add_(gx)
+
+
 class _NVFP4MoELinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, packed, scale, gs, offsets, config, decoder, impl, host, keep_decoded):  # noqa: D102
-        ctx.decoder, ctx.impl, ctx.host = decoder, impl, host
-        decoded = None
-        if _pick(impl, x.shape[0], packed.shape[0], "fwd") == "dequant":
-            ctx.host = ctx.host or _host(gs, offsets)
-            if keep_decoded and _pick(impl, x.shape[0], packed.shape[0], "dgrad",
-                                      gluon_dgrad_device(x, decoder)) == "dequant":
-                decoded = torch.empty(*packed.shape[:-1], packed.shape[-1] * 2, dtype=torch.bfloat16,
-                                      device=packed.device)
-            y = dequant_fwd(x, packed, scale, *ctx.host, into=decoded)
-        else:
-            y = launch_fwd(x, packed, scale, gs, offsets, config=config, decoder=decoder)
+        y, decoded, ctx.host = nvfp4_moe_forward(x, packed, scale, gs, offsets, config=config, decoder=decoder,
+                                                 impl=impl, host=host, keep_decoded=keep_decoded)
+        ctx.decoder, ctx.impl = decoder, impl
         ctx.save_for_backward(packed, scale, gs, offsets, decoded)
         return y
 
@@ -159,13 +184,23 @@ class _NVFP4MoELinear(torch.autograd.Function):
         packed, scale, gs, offsets, decoded = ctx.saved_tensors
         gx = None
         if ctx.needs_input_grad[0]:
-            g = grad.to(torch.bfloat16)
-            if decoded is not None or _pick(ctx.impl, g.shape[0], packed.shape[0], "dgrad",
-                                            gluon_dgrad_device(g, ctx.decoder)) == "dequant":
-                gx = dequant_dgrad(g, packed, scale, *(ctx.host or _host(gs, offsets)), decoded=decoded)
-            else:
-                gx = launch_dgrad(g, packed, scale, gs, offsets, decoder=ctx.decoder)
+            gx = nvfp4_moe_input_grad(grad, packed, scale, gs, offsets, decoded=decoded, host=ctx.host,
+                                      decoder=ctx.decoder, impl=ctx.impl)
         return gx, None, None, None, None, None, None, None, None, None
+
+
+def prepare(x, packed, scale, global_scale, offsets, decoder=None, impl=None):
+    """``nvfp4_moe_linear``'s checks of its arguments and, where its CUDA paths run (else None), the operands as they
+    take them: (bf16 x, fp32 decode scales [E], int32 offsets on x's device)."""
+    _check(x, packed, scale, global_scale, offsets)
+    if decoder is not None and decoder not in ("asm", "triton"):  # DECODERS' "pairs" reads a different layout
+        raise ValueError(f"unknown decoder {decoder!r}; expected 'asm' or 'triton'")
+    if impl not in (None, "kernel", "dequant"):
+        raise ValueError(f"unknown impl {impl!r}; expected 'kernel', 'dequant' or None")
+    if not (x.is_cuda and triton_available()):
+        return None
+    gs = global_scale.reshape(-1).to(device=x.device, dtype=torch.float32).contiguous()
+    return x.to(torch.bfloat16), gs, offsets.to(device=x.device, dtype=torch.int32).contiguous()
 
 
 def nvfp4_moe_linear(
@@ -196,14 +231,8 @@ def nvfp4_moe_linear(
     calls recomputed under activation checkpointing, where the weights then live from the recompute to this call's
     backward (kept from a plain forward they would stay until backward: 14.5 GB per M3 layer).
     """
-    _check(x, packed, scale, global_scale, offsets)
-    if decoder is not None and decoder not in ("asm", "triton"):  # DECODERS' "pairs" reads a different layout
-        raise ValueError(f"unknown decoder {decoder!r}; expected 'asm' or 'triton'")
-    if impl not in (None, "kernel", "dequant"):
-        raise ValueError(f"unknown impl {impl!r}; expected 'kernel', 'dequant' or None")
-    if not (x.is_cuda and triton_available()):
+    cuda = prepare(x, packed, scale, global_scale, offsets, decoder, impl)
+    if cuda is None:
         return nvfp4_moe_linear_reference(x, packed, scale, global_scale, offsets)
-    gs = global_scale.reshape(-1).to(device=x.device, dtype=torch.float32).contiguous()
-    offsets = offsets.to(device=x.device, dtype=torch.int32).contiguous()
-    return _NVFP4MoELinear.apply(x.to(torch.bfloat16), packed, scale, gs, offsets, config, decoder, impl, host,
-                                 keep_decoded)
+    x, gs, offsets = cuda
+    return _NVFP4MoELinear.apply(x, packed, scale, gs, offsets, config, decoder, impl, host, keep_decoded)

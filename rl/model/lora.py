@@ -23,6 +23,8 @@ import torch
 from torch import nn
 
 from quant.kernels.grouped import grouped_mm, grouped_mm_t
+from quant.kernels.nvfp4_moe import nvfp4_moe_forward, nvfp4_moe_input_grad, nvfp4_moe_linear
+from quant.kernels.nvfp4_moe import prepare as nvfp4_prepare
 from rl.model.lean import row_chunks
 
 PEFT_PREFIX = "base_model.model."
@@ -148,28 +150,60 @@ class ExpertLoRA(nn.Module):
                      experts: slice | None = None) -> torch.Tensor:
         return self._grouped("down", x, offsets, impl, experts)
 
-    def _grouped(self, which, x, offsets, impl, experts):
+    def with_nvfp4_base(self, which: str, x: torch.Tensor, offsets: torch.Tensor, packed, scale, global_scale,
+                        experts: slice | None = None, impl: str = "auto", **base) -> torch.Tensor:
+        """``nvfp4_moe_linear(x, packed, scale, global_scale, offsets, **base)`` plus this LoRA's `which` ("gate_up" /
+        "down") delta of the same experts: one autograd node with one input gradient where nvfp4_moe_linear's CUDA
+        paths run (_NVFP4WithGroupedLoRA), else the two calls added."""
+        cuda = nvfp4_prepare(x, packed, scale, global_scale, offsets, base.get("decoder"), base.get("impl"))
+        if cuda is None:
+            return (nvfp4_moe_linear(x, packed, scale, global_scale, offsets, **base)
+                    + self._grouped(which, x, offsets, impl, experts))
+        xb, gs, offs = cuda
+        return _NVFP4WithGroupedLoRA.apply(xb.contiguous(), *self._ab(which, experts), offs, self.scaling, impl,
+                                           packed, scale, gs, base)
+
+    def _ab(self, which, experts):
         a, b = getattr(self, f"{which}_A"), getattr(self, f"{which}_B")
-        if experts is not None:
-            a, b = a[experts], b[experts]
-        return grouped_lora_delta(x, a, b, offsets, self.scaling, impl)
+        return (a, b) if experts is None else (a[experts], b[experts])
+
+    def _grouped(self, which, x, offsets, impl, experts):
+        return grouped_lora_delta(x, *self._ab(which, experts), offsets, self.scaling, impl)
+
+
+def _delta_forward(x, a, b, offsets, scaling, impl):
+    """(delta, h, A, B * scaling): A and B*scaling in x's dtype (what vLLM serves the adapter in), the shrink h
+    accumulated in fp32 and rounded once to x's dtype, then the expand."""
+    dt = x.dtype
+    ac = a.to(dt)
+    bs = (b.to(dt) * scaling).to(dt)
+    h = grouped_mm(x, ac.transpose(1, 2), offsets, impl)
+    return grouped_mm(h, bs.transpose(1, 2), offsets, impl), h, ac, bs
+
+
+def _delta_backward(ctx, gy, x, h, ac, bs, offsets, need_x: bool):
+    """_delta_forward's gradients: x's (or None), A's and B's in their masters' dtypes (or None where not needed)."""
+    impl = ctx.impl
+    gy = gy.to(x.dtype).contiguous()
+    gh = grouped_mm(gy, bs, offsets, impl)
+    gx = grouped_mm(gh, ac, offsets, impl) if need_x else None
+    ga = grouped_mm_t(gh, x, offsets, impl).to(ctx.dtypes[0]) if ctx.needs_input_grad[1] else None
+    gb = None
+    if ctx.needs_input_grad[2]:
+        gb = (grouped_mm_t(gy, h, offsets, impl) * ctx.scaling).to(ctx.dtypes[1])
+    return gx, ga, gb
 
 
 class _GroupedLoRADelta(torch.autograd.Function):
     """lora_delta for all experts in four grouped GEMMs (forward) and four more (backward), instead of a Python
     loop over experts whose per-expert parameter slices cost a full-size zero gradient each in backward.
 
-    Same operands and rounding points as lora_delta: A and B*scaling enter in x's dtype (what vLLM serves the
-    adapter in), the shrink accumulates in fp32 and is rounded once to x's dtype, then the expand; the gradients
-    reach the masters in their dtype."""
+    Same operands and rounding points as lora_delta (_delta_forward); the gradients reach the masters in their
+    dtype."""
 
     @staticmethod
     def forward(ctx, x, a, b, offsets, scaling, impl):  # noqa: D102
-        dt = x.dtype
-        ac = a.to(dt)
-        bs = (b.to(dt) * scaling).to(dt)
-        h = grouped_mm(x, ac.transpose(1, 2), offsets, impl)
-        y = grouped_mm(h, bs.transpose(1, 2), offsets, impl)
+        y, h, ac, bs = _delta_forward(x, a, b, offsets, scaling, impl)
         ctx.save_for_backward(x, h, ac, bs, offsets)
         ctx.scaling, ctx.impl, ctx.dtypes = scaling, impl, (a.dtype, b.dtype)
         return y
@@ -177,15 +211,32 @@ class _GroupedLoRADelta(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):  # noqa: D102
         x, h, ac, bs, offsets = ctx.saved_tensors
-        impl = ctx.impl
-        gy = gy.to(x.dtype).contiguous()
-        gh = grouped_mm(gy, bs, offsets, impl)
-        gx = grouped_mm(gh, ac, offsets, impl) if ctx.needs_input_grad[0] else None
-        ga = grouped_mm_t(gh, x, offsets, impl).to(ctx.dtypes[0]) if ctx.needs_input_grad[1] else None
-        gb = None
-        if ctx.needs_input_grad[2]:
-            gb = (grouped_mm_t(gy, h, offsets, impl) * ctx.scaling).to(ctx.dtypes[1])
-        return gx, ga, gb, None, None, None
+        return (*_delta_backward(ctx, gy, x, h, ac, bs, offsets, ctx.needs_input_grad[0]), None, None, None)
+
+
+class _NVFP4WithGroupedLoRA(torch.autograd.Function):
+    """nvfp4_moe_linear(x) + grouped_lora_delta(x) as one node: the same forward (the two bf16 outputs added), and
+    one input gradient: the LoRA's, with the base's added inside the base's GEMMs (quant's nvfp4_moe_input_grad
+    accumulate=: on the decode path cuBLAS's beta = 1, one rounding of the fp32 sum) instead of autograd adding two
+    bf16 [rows, in] gradients, a buffer and a pass over three of them (~13 ms of a 4-layer x 4 x 16K step:
+    results/gpu/issue19_targets.json, session_19). Takes nvfp4_moe_linear's prepared CUDA operands."""
+
+    @staticmethod
+    def forward(ctx, x, a, b, offsets, scaling, impl, packed, scale, gs, base):  # noqa: D102
+        y, decoded, ctx.host = nvfp4_moe_forward(x, packed, scale, gs, offsets, **base)
+        delta, h, ac, bs = _delta_forward(x, a, b, offsets, scaling, impl)
+        ctx.save_for_backward(x, h, ac, bs, offsets, packed, scale, gs, decoded)
+        ctx.scaling, ctx.impl, ctx.dtypes, ctx.base = scaling, impl, (a.dtype, b.dtype), base
+        return y + delta
+
+    @staticmethod
+    def backward(ctx, gy):  # noqa: D102
+        x, h, ac, bs, offsets, packed, scale, gs, decoded = ctx.saved_tensors
+        gx, ga, gb = _delta_backward(ctx, gy, x, h, ac, bs, offsets, ctx.needs_input_grad[0])
+        if gx is not None:
+            gx = nvfp4_moe_input_grad(gy, packed, scale, gs, offsets, decoded=decoded, host=ctx.host,
+                                      decoder=ctx.base.get("decoder"), impl=ctx.base.get("impl"), accumulate=gx)
+        return gx, ga, gb, None, None, None, None, None, None, None
 
 
 def grouped_lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, scaling: float,

@@ -254,29 +254,26 @@ class MoE(nn.Module):
         """Experts e0..e1-1 on their rows xs (sorted by expert, expert e0+i's at offsets[i]:offsets[i+1]): on CUDA in
         bf16 two grouped GEMMs, NVFP4 (quant.kernels, the same serving form as the per-expert loop) or, for the bf16
         base, torch._grouped_mm, with expert LoRA in grouped GEMMs over the same offsets
-        (rl.model.lora.grouped_lora_delta); elsewhere per expert. host: the offsets ("bounds") and NVFP4 decode scales
+        (rl.model.lora.grouped_lora_delta; with the NVFP4 base one autograd node, ExpertLoRA.with_nvfp4_base);
+        elsewhere per expert. host: the offsets ("bounds") and NVFP4 decode scales
         ("w13", "w2") of these experts as host lists, if known. keep_decoded: nvfp4_moe_linear's (only for calls
         recomputed under activation checkpointing)."""
         e, lora, sel = self.experts, getattr(self.experts, "lora", None), slice(e0, e1)
         if not self._use_grouped(xs):
             return self._per_expert(xs, offsets.tolist(), e0, e1, lora)
-        if e.quantized:
-            def linear(inp, name):
-                return nvfp4_moe_linear(inp, e.packed(name)[sel], getattr(e, f"{name}_scale")[sel],
-                                        getattr(e, f"{name}_gs")[sel], offsets,
-                                        host=None if host is None else (host[name], host["bounds"]),
-                                        keep_decoded=keep_decoded)
-        else:
-            def linear(inp, name):
-                return torch._grouped_mm(inp, getattr(e, name)[sel].transpose(1, 2), offs=offsets[1:])
-        gate_up = linear(xs, "w13")
-        if lora is not None:
-            gate_up = gate_up + lora.gate_up_grouped(xs, offsets, experts=sel)
-        act = swiglu_oai(gate_up, self.alpha, self.limit, self.beta)
-        y = linear(act, "w2")
-        if lora is not None:
-            y = y + lora.down_grouped(act, offsets, experts=sel)
-        return y
+
+        def linear(inp, name, which):  # the base linear plus the LoRA delta of `which` ("gate_up" / "down")
+            if e.quantized:
+                weights = (e.packed(name)[sel], getattr(e, f"{name}_scale")[sel], getattr(e, f"{name}_gs")[sel])
+                base = {"host": None if host is None else (host[name], host["bounds"]), "keep_decoded": keep_decoded}
+                if lora is not None:  # one node: the base's input gradient added inside its GEMMs
+                    return lora.with_nvfp4_base(which, inp, offsets, *weights, experts=sel, **base)
+                return nvfp4_moe_linear(inp, *weights, offsets, **base)
+            y = torch._grouped_mm(inp, getattr(e, name)[sel].transpose(1, 2), offs=offsets[1:])
+            return y if lora is None else y + getattr(lora, f"{which}_grouped")(inp, offsets, experts=sel)
+
+        act = swiglu_oai(linear(xs, "w13", "gate_up"), self.alpha, self.limit, self.beta)
+        return linear(act, "w2", "down")
 
     def _per_expert(self, xs, bounds, e0, e1, lora):
         rows = []

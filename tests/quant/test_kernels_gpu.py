@@ -422,6 +422,18 @@ def test_nvfp4_moe_dequant_path(chunk, overlap):
     kept = torch.full((e, n, k), float("nan"), dtype=BF16, device=DEV)
     assert torch.equal(dequant_fwd(x, packed, scale, gsh, bounds, chunk=chunk, overlap=overlap, into=kept), y)
     assert torch.equal(dequant_dgrad(dy, packed, scale, gsh, bounds, chunk=chunk, overlap=overlap, decoded=kept), dx)
+    # accumulate= (cuBLAS beta = 1, the one-node expert LoRA's input gradient): acc + dx rounded once, within the
+    # bound of the fp32 sum, and never further from it than dx rounded first and added
+    acc = (torch.randn(sum(counts), k, device=DEV, generator=gen) * float(dx.float().abs().mean())).to(BF16)
+    got = dequant_dgrad(dy, packed, scale, gsh, bounds, chunk=chunk, overlap=overlap, decoded=kept,
+                        accumulate=acc.clone())
+    exact = acc.float()
+    for i in range(e):
+        if bounds[i + 1] > bounds[i]:
+            w = forms.nvfp4_weight(packed[i], scale[i], BF16)
+            exact[bounds[i]:bounds[i + 1]] += forms._mm_fp32(dy[bounds[i]:bounds[i + 1]], w.t()) * gs[i]
+    err_one, err_two = ((t.float() - exact).norm() / exact.norm() for t in (got, dx + acc))
+    assert float(err_one) <= 2.0**-8 and float(err_one) <= float(err_two), (float(err_one), float(err_two))
 
 
 @pytest.mark.parametrize("which", ["gate_up", "down"])

@@ -94,3 +94,31 @@ def test_path_picks_by_rows_per_expert_and_device():
     cpu = torch.zeros(4, 8, dtype=torch.bfloat16)
     assert not gemm.gluon_available(cpu) and not gemm.gluon_dgrad_default(cpu, 10**6, e)
     assert not gemm.gluon_dgrad_device(cpu, None) and not gemm.gluon_dgrad_device(cpu, "triton")
+
+
+def test_input_gradient_accumulates_into_a_given_tensor():
+    """dequant_dgrad(accumulate=acc): acc + dx in place, rounded once (cuBLAS's beta = 1 epilogue): within one bf16
+    rounding of the fp32 sum, closer to it than rounding dx first and adding (autograd's sum of two gradients);
+    a tensor of the wrong dtype or shape is refused before any work."""
+    g = torch.Generator().manual_seed(5)
+    e, n, k = 4, 32, 64
+    packed = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, generator=g)
+    scale = torch.randint(0x28, 0x48, (e, n, k // 16), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+    gs = torch.rand(e, generator=g) * 0.01 + 1e-3
+    bounds = moe.expert_offsets(torch.tensor([6, 0, 9, 5])).tolist()
+    dy = torch.randn(bounds[-1], n, generator=g).bfloat16()
+    acc = (torch.randn(bounds[-1], k, generator=g) * 0.05).bfloat16()
+    dx = dequant_dgrad(dy, packed, scale, gs.tolist(), bounds)
+    into = acc.clone()
+    got = dequant_dgrad(dy, packed, scale, gs.tolist(), bounds, accumulate=into)
+    assert got.data_ptr() == into.data_ptr()
+    exact = torch.cat([forms._mm_fp32(dy[a:b], forms.nvfp4_weight(packed[i], scale[i]).t()) * gs[i]
+                       for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]) + acc.float()
+    err_fused = float((got.float() - exact).norm() / exact.norm())
+    err_twice = float(((dx + acc).float() - exact).norm() / exact.norm())
+    assert err_fused <= 2.0**-8, err_fused
+    assert err_fused <= err_twice, (err_fused, err_twice)
+    assert not torch.equal(got, acc)  # the base's gradient reached it
+    for bad in (acc.float(), acc[:-1].clone(), acc.t().contiguous().t()):
+        with pytest.raises(ValueError, match="accumulate"):
+            dequant_dgrad(dy, packed, scale, gs.tolist(), bounds, accumulate=bad)

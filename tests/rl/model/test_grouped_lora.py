@@ -118,3 +118,41 @@ def test_grouped_mm_shapes_and_values(impl):
         assert (_rel(w[e], ref_w) <= 8e-3) if hi > lo else bool((w[e] == 0).all())
     with pytest.raises(ValueError):
         grouped_mm(a, b[:-1], offsets, impl)
+
+
+def test_nvfp4_base_with_lora_is_one_node_with_the_same_gradients():
+    """_NVFP4WithGroupedLoRA (the NVFP4 experts and their LoRA as one autograd node, the base's input gradient added
+    inside its GEMMs) against the two nodes autograd sums (nvfp4_moe_linear's reference + grouped_lora_delta), here
+    on CPU through the decode + GEMM path it takes on CUDA: the same output and LoRA gradients, the input gradient
+    within bf16 rounding (one rounding of the sum instead of two)."""
+    from quant.kernels import nvfp4_moe as moe
+    from rl.model.lora import _NVFP4WithGroupedLoRA
+
+    lora, offsets, x = _setup(torch.bfloat16, hidden=64, inter=48, seed=4)
+    g = torch.Generator().manual_seed(9)
+    e, n, k = len(COUNTS), 96, 64  # gate_up: [2I, H]
+    packed = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, generator=g)
+    scale = torch.randint(0x28, 0x48, (e, n, k // 16), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+    gs = torch.rand(e, generator=g) * 0.02 + 1e-3
+    gy = torch.randn(x.shape[0], n, generator=g).bfloat16()
+
+    def run(fn):
+        xx = x.clone().requires_grad_(True)
+        lora.zero_grad(set_to_none=True)
+        y = fn(xx)
+        y.backward(gy)
+        return y.detach(), xx.grad, lora.gate_up_A.grad.clone(), lora.gate_up_B.grad.clone()
+
+    two = run(lambda xx: moe.nvfp4_moe_linear_reference(xx, packed, scale, gs, offsets)
+              + lora.gate_up_grouped(xx, offsets, impl="loop"))
+    one = run(lambda xx: _NVFP4WithGroupedLoRA.apply(xx, lora.gate_up_A, lora.gate_up_B, offsets, lora.scaling,
+                                                     "loop", packed, scale, gs.float(), {"impl": "dequant"}))
+    for name, a, b in zip(("y", "dx", "dA", "dB"), one, two):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert _rel(a, b) <= (2.0**-7 if name in ("y", "dx") else 1e-6), f"{name}: rel {_rel(a, b):.2e}"
+    # the base's share of the input gradient is there (the LoRA's alone is far off)
+    lora_only = run(lambda xx: lora.gate_up_grouped(xx, offsets, impl="loop"))
+    assert _rel(one[1], lora_only[1]) > 0.1
+    # on CPU the public entry falls back to the two nodes
+    two_again = run(lambda xx: lora.with_nvfp4_base("gate_up", xx, offsets, packed, scale, gs))
+    assert all(torch.equal(a, b) for a, b in zip(two_again, two))
