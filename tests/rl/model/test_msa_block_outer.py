@@ -73,7 +73,7 @@ CASES = {  # name -> _case kwargs; tiny, as the interpreter runs every program i
     "bwd_half_blocks": dict(lengths=[260], hq=2, hkv=1, dim=16, topk=2, dense_prefix_min=0, bwd_keys=64,
                             item_tokens=64, order="size"),
     "atomic_dq_g3": dict(lengths=[200, 60], hq=6, hkv=2, dim=16, topk=2, dense_prefix_min=0, dq="atomic",
-                         fwd_rows=12, bwd_rows=12),
+                         fwd_rows=12, bwd_rows=12, order="key"),  # items launched in key order (no sort)
     # three kernel calls ([300], [77, 260], [290]), each with its own plan and dense prefix, in one autograd node
     "sequence_groups": dict(lengths=[300, 77, 260, 290], hq=4, hkv=2, dim=16, topk=2, dense_prefix_min=1,
                             item_tokens=16, group_tokens=340),
@@ -165,10 +165,11 @@ def test_plan_groups_every_selection_once():
     n_items = int(plan.key_item0[-1])
     assert n_items == int((plan.item_hi > plan.item_lo).sum()) <= plan.n_max == plan.item_key.numel()
     assert (plan.item_hi[n_items:] == plan.item_lo[n_items:]).all()  # the rest: empty rows (host-known grid)
-    for order in ("size", "token"):  # launch orders are permutations of the rows, the real items first
+    for order in ("size", "token", "key"):  # launch orders are permutations of the rows, the real items first
         cfg = mbo.Config(item_tokens=16, dense_prefix_min=128, order=order)
         launched = mbo.build_plan(ids, cu, cfg).order.tolist()
         assert sorted(launched) == list(range(plan.n_max)) and sorted(launched[:n_items]) == list(range(n_items))
+        assert (launched == list(range(plan.n_max))) == (order == "key")  # only "key" keeps the tables' order
 
 
 def test_short_sequences_are_causal_sdpa():
@@ -214,6 +215,7 @@ GPU_CASES = {  # id -> (lengths, init blocks, config overrides); {} = the defaul
     "gluon_ws_forward_padding": ([1000, 3000, 96, 2100], 2, {"fwd_kernel": "gluon_ws"}),  # the default forward
     "half_blocks_size_order": ([5000], 0, {"bwd_keys": 64, "bwd_warps": 4, "order": "size", "fwd_rows": 128,
                                            "fwd_warps": 8}),
+    "key_order": ([1000, 3000, 96, 2100], 1, {"order": "key"}),  # the default kernels, items in key order
 }
 
 
