@@ -233,9 +233,10 @@ class _NVFP4WithGroupedLoRA(torch.autograd.Function):
     def backward(ctx, gy):  # noqa: D102
         x, h, ac, bs, offsets, packed, scale, gs, decoded = ctx.saved_tensors
         gx, ga, gb = _delta_backward(ctx, gy, x, h, ac, bs, offsets, ctx.needs_input_grad[0])
-        if gx is not None:
+        if gx is not None:  # (contiguous: torch._grouped_mm may pad its output's rows for alignment)
             gx = nvfp4_moe_input_grad(gy, packed, scale, gs, offsets, decoded=decoded, host=ctx.host,
-                                      decoder=ctx.base.get("decoder"), impl=ctx.base.get("impl"), accumulate=gx)
+                                      decoder=ctx.base.get("decoder"), impl=ctx.base.get("impl"),
+                                      accumulate=gx.contiguous())
         return gx, ga, gb, None, None, None, None, None, None, None
 
 
