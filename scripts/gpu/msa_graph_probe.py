@@ -65,19 +65,18 @@ def probe(total, args, device, gen):
     def bwd():
         mbo._backward(sq, sk, sv, o, lse, sdo, state["plan"], scale, config, dq, dk, dv)
 
+    def plan_only():  # the plan alone, for the case that launches the kernels eagerly
+        state["plan_only"] = mbo.build_plan(sids, cu_host, config)
+
     row = {"tokens": total}
     try:
         g_fwd = capture(fwd)
         g_fwd.replay()  # the captured plan's tables hold data only once replayed: the backward's warm-up reads them
         g_bwd = capture(bwd)
+        g_plan = capture(plan_only)
     except Exception as exc:  # noqa: BLE001 (a capture failure is the probe's answer)
         row["capture_error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
         return row
-
-    def plan_only():
-        state["plan_only"] = mbo.build_plan(sids, cu_host, config)
-
-    g_plan = capture(plan_only)
 
     def plan_graphed():  # the plan from a graph (ids copied in), the kernels launched eagerly
         sids.copy_(ids)
@@ -114,7 +113,8 @@ def probe(total, args, device, gen):
         sdpa_graph = capture(sdpa)
     except Exception as exc:  # noqa: BLE001
         row["sdpa_capture_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-    cases = {"msa_eager": eager, "msa_plan_graph": plan_graphed, "msa_graphs": graphed, "msa_graphs_copies": graphed_copies, "sdpa_eager": sdpa}
+    cases = {"msa_eager": eager, "msa_plan_graph": plan_graphed, "msa_graphs": graphed,
+             "msa_graphs_copies": graphed_copies, "sdpa_eager": sdpa}
     if sdpa_graph is not None:
         cases["sdpa_graph"] = sdpa_graph.replay
     n = args.back_to_back
