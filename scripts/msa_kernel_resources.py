@@ -116,11 +116,12 @@ def main():
     g = a.hq // a.hkv
     shapes = dict(HQ=a.hq, HKV=a.hkv, G=g, TOPK=a.topk, D=a.dim)
     i32 = {n: "*i32" for n in ("ent_ptr", "order_ptr", "key_ptr", "lo_ptr", "hi_ptr", "kstart_ptr", "seq_ptr",
-                               "gid_ptr", "key_item0_ptr", "item_key_ptr", "okey_ptr", "pos_ptr", "dense_row_ptr")}
+                               "gid_ptr", "key_item0_ptr", "item_key_ptr", "okey_ptr", "pos_ptr", "dense_row_ptr",
+                               "kend_ptr")}
     bf16 = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "opart_ptr", "dq_ptr", "dqp_ptr", "o_ptr",
-                                 "dense_ptr")}
+                                 "dense_ptr", "dk_ptr", "dv_ptr")}
     f32 = {n: "*fp32" for n in ("lpart_ptr", "lse_ptr", "delta_ptr", "dks_ptr", "dvs_ptr")}
-    types = {**i32, **bf16, **f32, "ids_ptr": "*i64", "order_ptr": "*i64", "idx_ptr": "*i64", "qk_scale": "fp32",
+    types = {**i32, **bf16, **f32, "ids_ptr": "*i64", "idx_ptr": "*i64", "qk_scale": "fp32",
              "scale": "fp32"}
     (ftm, fbm), (btm, bbm) = mbo.tile_shape(a.fwd_rows, g), mbo.tile_shape(a.bwd_rows, g)
 
@@ -130,9 +131,9 @@ def main():
     ws_fwd_desc = dict(q_desc=desc(g), k_desc=desc(128), v_desc=desc(128), o_desc=desc(g), o_tile_desc=desc(64))
     rows = [
         compile_report(mbp._plan_keys, types, dict(HKV=a.hkv, TOPK=a.topk, BE=1024), 4, 3),
-        compile_report(mbp._plan_pos, types, dict(BE=1024), 4, 3),
-        compile_report(mbp._plan_items, types,
-                       dict(HKVTOPK=a.hkv * a.topk, SIZE_ORDER=False, CH=1024), 4, 3),
+        *(compile_report(mbp._plan_index, types, dict(HKVTOPK=a.hkv * a.topk, SIZE_ORDER=False, NP=np_, BE=1024,
+                                                      CH=1024), warps, 3) | {"NP": np_}
+          for np_, warps in ((1024, 4), (16384, 16))),  # the launch-order sort of 4K / 64K tokens' items
         compile_report(mbo._fwd, types, dict(shapes, TM=ftm, BM=fbm, PREC="tf32"), a.fwd_warps,
                        a.fwd_stages),
         compile_report(mbog._fwd_gluon, types, dict(shapes, TM=ftm, BM=fbm), fbm // 16, 1),
@@ -150,7 +151,8 @@ def main():
           for dq_tma in (True, False)),
         compile_report(mbo._merge, types, dict(shapes, R=a.row_tile, HAS_DENSE=False,
                                                TP=1 << (a.topk - 1).bit_length()), 4, 3),
-        compile_report(mbo._reduce_dq, types, dict(shapes, NH=128 // a.bwd_keys, R=a.row_tile), 4, 3),
+        compile_report(mbo._reduce_grads, types, dict(shapes, NH=128 // a.bwd_keys, R=a.row_tile,
+                                                      DC=a.dkdv_cols), 4, 3),
     ]
     print(json.dumps({"command": " ".join(["python"] + sys.argv), "arch": "sm_90", "kernels": rows}, indent=1))
 

@@ -14,7 +14,8 @@ a time, i.e. tiles of TM x G rows (G = Hq/Hkv query heads of a token share the K
   partials (found through `Plan.slot_pos`, as split-KV decoding does) into O and the LSE;
 - backward: per tile, P from the final LSE, dV += P^T dO, dK += dS^T Q in registers; dQ of the tile (dS K) is a
   partial per entry (summed per row by `_reduce_dq`) or an fp32 atomic add (`dq="atomic"`). An item stores its
-  dK/dV sums to scratch and `_reduce_dkdv` adds a block's items in order: one owner, no atomics, deterministic.
+  dK/dV sums to scratch and `_reduce_dkdv` adds a block's items in order: one owner, no atomics, deterministic. The
+  two sums are one launch (`_reduce_grads`).
 - dense prefix: a query at position < topk*128 sees at most topk blocks and (validated ids) selects all of them, so
   its attention is plain causal attention over its sequence's prefix: those tokens go through SDPA (FlashAttention)
   when the prefix has >= `dense_prefix_min` tokens, and the kernels skip them.
@@ -28,8 +29,9 @@ tail of the item tables is empty rows, launched last, whose programs do no work.
 Measured on one H200 (results/gpu/run81-83, issue18_targets.json; 64 q / 4 KV heads, d 128, top-16, bf16): fwd 7.5-8.1
 ms, fwd+bwd 21.0-21.6 ms at 32K tokens (21.0-21.9 per call back to back, as between a model's layers; per-token
 kernels 99 ms, dense causal SDPA 113 ms), 41.8-43.8 ms at 64K (SDPA 449 ms); faster than SDPA from 8K tokens (single
-sequence), 1.2x slower at 4K in a single call (the plan's and the launches' host work, ~0.75 ms before the first
-attention kernel) and 1.02-1.06x back to back. On Hopper the forward and backward are the warp-specialized Gluon
+sequence); at 4K 2.52-2.54 vs SDPA's 2.22-2.31 ms in a single call (host work before the first attention kernel: the
+plan's two launches and sort, the forward's descriptors and launch; the kernels alone, from CUDA graphs, 2.11-2.14,
+run88-89) and 2.25-2.27 vs 2.28-2.30 back to back (run94). On Hopper the forward and backward are the warp-specialized Gluon
 kernels of rl.model.msa_block_outer_gluon_ws (4.6 and 9.4 ms at 32K; the unspecialized `_fwd_gluon` / `_bwd_gluon` of
 rl.model.msa_block_outer_gluon and this file's Triton `_fwd` / `_bwd` run where those tiles do not fit, and on request,
 Config.fwd_kernel / bwd_kernel); the merge and dQ sum 4.5 ms (at bandwidth: the cost of the partials; the merge's two
@@ -120,9 +122,10 @@ if triton is not None:
             tl.store(lpart_ptr + prow0 + r, m + tl.log2(l), mask=ok)
 
     @triton.jit
-    def _rows(NROWS, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, R: tl.constexpr):
-        # R consecutive (token, query head) rows of o / q: row index, its token, KV head, head inside the group.
-        row = tl.program_id(0) * R + tl.arange(0, R)
+    def _rows(pid, NROWS, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, R: tl.constexpr):
+        # The pid-th R consecutive (token, query head) rows of o / q: row index, its token, KV head, head inside the
+        # group.
+        row = pid * R + tl.arange(0, R)
         ok = row < NROWS
         row = tl.where(ok, row, 0)
         head = row % HQ
@@ -135,7 +138,7 @@ if triton is not None:
         # O and LSE (log2 units) of R rows from their slots' partials; dense-prefix rows copy the SDPA output. Two
         # passes: every slot's LSE at once (the row's maximum and sum), then the partial outputs weighted by
         # exp2(lse_j - max), whose loads wait on no running maximum (TP: TOPK rounded up to a power of two).
-        row, ok, t, hk, g = _rows(NROWS, HQ, HKV, G, R)
+        row, ok, t, hk, g = _rows(tl.program_id(0), NROWS, HQ, HKV, G, R)
         d = tl.arange(0, D)
         j = tl.arange(0, TP)
         slots = (t * HKV + hk) * TOPK  # the row's first slot
@@ -208,10 +211,24 @@ if triton is not None:
         tl.store(dvs_ptr + srow, dv)
 
     @triton.jit
-    def _reduce_dq(dqp_ptr, pos_ptr, dq_ptr, NROWS, NE, scale, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
-                   TOPK: tl.constexpr, D: tl.constexpr, NH: tl.constexpr, R: tl.constexpr):
+    def _reduce_grads(dqp_ptr, pos_ptr, dq_ptr, dks_ptr, dvs_ptr, key_item0_ptr, kstart_ptr, kend_ptr, dk_ptr, dv_ptr,
+                      NROWS, NE, NKB, N_DQ, scale, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
+                      TOPK: tl.constexpr, D: tl.constexpr, NH: tl.constexpr, R: tl.constexpr, DC: tl.constexpr):
+        # One launch for the backward's two sums: programs [0, N_DQ) dQ (R rows each), the rest dK/dV (a key block's
+        # DC columns each).
+        pid = tl.program_id(0)
+        if pid < N_DQ:
+            _reduce_dq(pid, dqp_ptr, pos_ptr, dq_ptr, NROWS, NE, scale, HQ, HKV, G, TOPK, D, NH, R)
+        else:
+            p = pid - N_DQ
+            _reduce_dkdv(p // (D // DC), p % (D // DC), dks_ptr, dvs_ptr, key_item0_ptr, kstart_ptr, kend_ptr, dk_ptr,
+                         dv_ptr, NKB, scale, HKV, D, DC)
+
+    @triton.jit
+    def _reduce_dq(pid, dqp_ptr, pos_ptr, dq_ptr, NROWS, NE, scale, HQ: tl.constexpr, HKV: tl.constexpr,
+                   G: tl.constexpr, TOPK: tl.constexpr, D: tl.constexpr, NH: tl.constexpr, R: tl.constexpr):
         # dQ of R rows: scale * the sum of their slots' partials (zeros for dense-prefix rows: no slots).
-        row, ok, t, hk, g = _rows(NROWS, HQ, HKV, G, R)
+        row, ok, t, hk, g = _rows(pid, NROWS, HQ, HKV, G, R)
         d = tl.arange(0, D)
         acc = tl.zeros([R, D], tl.float32)
         for j in range(TOPK):
@@ -224,15 +241,14 @@ if triton is not None:
                  mask=ok[:, None])
 
     @triton.jit
-    def _reduce_dkdv(dks_ptr, dvs_ptr, key_item0_ptr, kstart_ptr, kend_ptr, dk_ptr, dv_ptr, NKB, scale,
+    def _reduce_dkdv(key, col, dks_ptr, dvs_ptr, key_item0_ptr, kstart_ptr, kend_ptr, dk_ptr, dv_ptr, NKB, scale,
                      HKV: tl.constexpr, D: tl.constexpr, DC: tl.constexpr):
-        # dK/dV of one (KV head, key block), DC of its D columns: its items' sums in item order; zeros for a block
+        # dK/dV of one (KV head, key block), its col-th DC columns: its items' sums in item order; zeros for a block
         # nobody selected.
-        key = tl.program_id(0)
         h = key // NKB
         kb = key - h * NKB
         r = tl.arange(0, 128)
-        d = tl.program_id(1) * DC + tl.arange(0, DC)
+        d = col * DC + tl.arange(0, DC)
         ak = tl.zeros([128, DC], tl.float32)
         av = tl.zeros([128, DC], tl.float32)
         for it in range(tl.load(key_item0_ptr + key), tl.load(key_item0_ptr + key + 1)):
@@ -372,13 +388,11 @@ def _backward(q, k, v, o, lse, do, plan: Plan, scale: float, config: Config, dq,
                        num_stages=config.bwd_stages)
     if atomic:
         dq.copy_(dq_buf * scale)
-    elif t_count:
-        _reduce_dq[(triton.cdiv(rows, r),)](dq_buf, plan.slot_pos, dq, rows, ne, scale, HQ=hq, HKV=hkv, G=g,
-                                            TOPK=topk, D=dim, NH=nh, R=r)
-    if plan.nkb:
-        dc = min(config.dkdv_cols, dim)
-        _reduce_dkdv[(hkv * plan.nkb, dim // dc)](dks, dvs, plan.key_item0, plan.kstart, plan.kend, dk, dv,
-                                                  plan.nkb, scale, HKV=hkv, D=dim, DC=dc)
+    n_dq, dc = 0 if atomic else triton.cdiv(rows, r), min(config.dkdv_cols, dim)
+    if n_dq + plan.nkb:
+        _reduce_grads[(n_dq + hkv * plan.nkb * (dim // dc),)](
+            dq_buf, plan.slot_pos, dq, dks, dvs, plan.key_item0, plan.kstart, plan.kend, dk, dv, rows, ne, plan.nkb,
+            n_dq, scale, HQ=hq, HKV=hkv, G=g, TOPK=topk, D=dim, NH=nh, R=r, DC=dc)
 
 
 class _BlockOuter(torch.autograd.Function):

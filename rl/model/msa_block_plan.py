@@ -4,8 +4,11 @@ each program handles, built from block_ids without waiting for the device.
 Every selection is an *entry*; entries are grouped by (KV head, key block) with one stable sort and each group is cut
 into *items* of at most `Config.item_tokens` tokens (one program each). The number of items is only known on the
 device, so the item tables get a host-computed upper bound of rows (`Plan.n_max`); the rows past the real items are
-empty and launched last. On CUDA three small Triton kernels build the tables around the sort; without Triton (CPU)
-torch ops build the same tables (`_plan_torch`; the interpreter tests compare the two).
+empty and launched last. On CUDA two small Triton kernels build the tables around the sort, the second one also
+sorting the items into their launch order; without Triton (CPU) torch ops build the same tables (`_plan_torch`; the
+interpreter tests compare the two). Host work is what a 4K-token call waits on before its first heavy kernel
+(results/gpu/run92-93, scripts/gpu/msa_host_probe.py: ~15-35 us per Triton launch, ~45-65 us per torch.sort, ~300 us
+for a plan of three launches and two sorts), hence two launches and one sort.
 """
 
 from __future__ import annotations
@@ -66,7 +69,8 @@ class Config:
     group_tokens: int = 16384
     order: str = "token"  # launch order of work items: "size" (largest first), "token" (by first token: programs
     # running together read the same tokens' q/dO, which may then come from L2) or "key" (the item tables' own
-    # (KV head, key block) order: no second sort, ~0.05-0.1 ms less host work before the forward kernel at 4K)
+    # (KV head, key block) order; run91, when it saved a torch.sort: fwd+bwd 2.98 vs 2.80 ms at 4K, 21.37 vs 21.18 at
+    # 32K, slower back to back too)
 
     def __post_init__(self):
         choices = {"part_dtype": ("bf16", "fp32"), "dq": ("partial", "atomic"), "order": ("size", "token", "key"),
@@ -95,7 +99,7 @@ class Plan:
     item_key: torch.Tensor  # [n_max] int32 head*NKB + global block of each item (items in key order; 0 when empty)
     item_lo: torch.Tensor  # [n_max] int32 range of the item in `entries` (lo == hi: an empty row)
     item_hi: torch.Tensor
-    order: torch.Tensor  # [n_max] int64 launch order (Config.order), empty rows last
+    order: torch.Tensor  # [n_max] int32 launch order (Config.order), empty rows last
     key_item0: torch.Tensor  # [Hkv*NKB + 1] int32 first item of each key
     kstart: torch.Tensor  # [NKB] int32 packed index of each global block's first key
     kend: torch.Tensor  # [NKB] int32 end of that block's sequence (keys past it belong to the next one)
@@ -109,6 +113,9 @@ class Plan:
 
 
 _EMPTY_KEY = 2 ** 31 - 1  # launch-order key of the empty item rows: after every real one
+# Item rows up to which the plan kernel sorts them into their launch order itself (one program, a bitonic sort of the
+# next power of two of keys in registers; 16K rows: a 64K-token sequence); past it, torch.sort does.
+KERNEL_SORT_MAX = 16384
 
 
 def _host_tables(bounds, topk: int, dense_prefix_min: int):
@@ -148,8 +155,9 @@ def _device_tables(bounds: tuple, t_count: int, topk: int, dense_prefix_min: int
 def build_plan(block_ids: torch.Tensor, cu_seqlens, config: Config = DEFAULT) -> Plan:
     """The inverted lists, with no device->host sync (the plan is built inside every attention call; a sync there
     drains the launch queue of the whole layer): host tables in Python, copied in one transfer once per batch layout
-    (`_device_tables`); then, with Triton, two kernels around one stable sort of the entries and one sort of the items
-    (`_plan_keys`, `_plan_items`), and without Triton (CPU) the same tables from torch ops (`_plan_torch`)."""
+    (`_device_tables`); then, with Triton, two kernels around one stable sort of the entries (`_plan_keys`,
+    `_plan_index`, which also sorts the items into their launch order), and without Triton (CPU) the same tables from
+    torch ops (`_plan_torch`)."""
     t_count, hkv, topk = block_ids.shape
     seq_d, nseq, kstart_d, kend_d, prefixes, nkb, dense_row, dense_idx = _device_tables(
         tuple(seq_bounds(cu_seqlens)), t_count, topk, config.dense_prefix_min, block_ids.device)
@@ -188,14 +196,16 @@ def _plan_torch(block_ids, seq_d, nseq, nkb, n_max, config):
     hi = torch.minimum(lo + config.item_tokens, bounds_k[item_key + 1])
     okey = entries[lo] // (hkv * topk) if config.order == "token" else lo - hi  # largest first: stable on -size
     pad = lambda x, fill: F.pad(x, (0, n_max - n_items), value=fill).to(torch.int32)  # noqa: E731
-    order = _rows(n_max, device) if config.order == "key" else torch.sort(pad(okey, _EMPTY_KEY), stable=True).indices
+    order = (_rows(n_max, device) if config.order == "key" else
+             torch.sort(pad(okey, _EMPTY_KEY), stable=True).indices.to(torch.int32))
     return (gid.to(torch.int32).contiguous(), pos.view(gid.shape), entries.to(torch.int32), pad(item_key, 0),
             pad(lo, 0), pad(hi, 0), order, key_item0.to(torch.int32))
 
 
 def _plan_triton(block_ids, seq_d, nseq, nkb, n_max, config):
-    """`build_plan`'s device tables: `_plan_keys` (slot -> global block and sort key), a stable sort of the keys,
-    `_plan_items` (one program: per-key bounds by binary search, item rows, launch-order keys), a sort of those."""
+    """`build_plan`'s device tables: `_plan_keys` (slot -> global block and sort key), a stable sort of the keys, and
+    `_plan_index` (the sorted entries and each slot's position; in one more program the item rows by binary search
+    and, up to KERNEL_SORT_MAX rows, their launch order)."""
     device = block_ids.device
     t_count, hkv, topk = block_ids.shape
     ne = t_count * hkv * topk
@@ -206,24 +216,27 @@ def _plan_triton(block_ids, seq_d, nseq, nkb, n_max, config):
         _plan_keys[(triton.cdiv(ne, 1024),)](block_ids, seq_d, gid, key, ne, nseq, nkb, *block_ids.stride(),
                                              HKV=hkv, TOPK=topk, BE=1024)
     key, idx = torch.sort(key, stable=True)  # by token inside a key
-    # int32 entries (int64 ones cost the backward kernel register spills) and each slot's sorted position
-    entries = torch.empty(ne, dtype=torch.int32, device=device)
-    pos = torch.empty(t_count, hkv, topk, dtype=torch.int32, device=device)
-    if ne:
-        _plan_pos[(triton.cdiv(ne, 1024),)](key, idx, entries, pos, ne, hkv * nkb, BE=1024)
-    tabs = torch.empty(4 * n_max + hkv * nkb + 1, dtype=torch.int32, device=device)
-    item_key, lo, hi, okey, key_item0 = tabs.split([n_max] * 4 + [hkv * nkb + 1])
-    _plan_items[(1,)](key, entries, key_item0, item_key, lo, hi, okey, ne, max(ne, 1).bit_length(), hkv * nkb, n_max,
-                      config.item_tokens, HKVTOPK=hkv * topk, SIZE_ORDER=config.order == "size", CH=1024)
-    order = _rows(n_max, device) if config.order == "key" else torch.sort(okey, stable=True).indices
-    return gid, pos, entries, item_key, lo, hi, order, key_item0
+    # int32 entries (int64 ones cost the backward kernel register spills), each slot's sorted position and the item
+    # tables: one allocation
+    tabs = torch.empty(2 * ne + 5 * n_max + hkv * nkb + 1, dtype=torch.int32, device=device)
+    entries, pos, item_key, lo, hi, okey, order, key_item0 = tabs.split([ne] * 2 + [n_max] * 5 + [hkv * nkb + 1])
+    sort_np = triton.next_power_of_2(n_max) if config.order != "key" and n_max <= KERNEL_SORT_MAX else 0
+    _plan_index[(triton.cdiv(ne, 1024) + 1,)](
+        key, idx, entries, pos, key_item0, item_key, lo, hi, okey, order, ne, max(ne, 1).bit_length(), hkv * nkb,
+        n_max, config.item_tokens, HKVTOPK=hkv * topk, SIZE_ORDER=config.order == "size", NP=sort_np, BE=1024,
+        CH=1024, num_warps=16 if sort_np > 4096 else 4)
+    if config.order == "key":
+        order = _rows(n_max, device)
+    elif not sort_np:
+        order = torch.sort(okey, stable=True).indices.to(torch.int32)
+    return gid, pos.view(gid.shape), entries, item_key, lo, hi, order, key_item0
 
 
 @functools.lru_cache(maxsize=16)
 def _rows(n: int, device: torch.device) -> torch.Tensor:
-    """0..n-1 (int64, as sort indices): Config.order "key", the item rows launched as they are (empty rows are
+    """0..n-1 (int32, as launch orders): Config.order "key", the item rows launched as they are (empty rows are
     already last). Read-only, shared by the plans of one batch layout."""
-    return torch.arange(n, device=device)
+    return torch.arange(n, dtype=torch.int32, device=device)
 
 
 if triton is not None:
@@ -248,14 +261,28 @@ if triton is not None:
         tl.store(key_ptr + e, tl.where(gid >= 0, h * NKB + gid, HKV * NKB), mask=ok)
 
     @triton.jit
-    def _plan_pos(key_ptr, idx_ptr, ent_ptr, pos_ptr, NE, BIG, BE: tl.constexpr):
-        # Sorted position s -> entry: int32 copy of the sort indices, and the inverse map (slot -> s, -1 for the slots
-        # sorted past every real key: empty or dense-prefix).
-        s = tl.program_id(0) * BE + tl.arange(0, BE)
-        ok = s < NE
-        e = tl.load(idx_ptr + s, mask=ok, other=0).to(tl.int32)
-        tl.store(ent_ptr + s, e, mask=ok)
-        tl.store(pos_ptr + e, tl.where(tl.load(key_ptr + s, mask=ok, other=BIG) < BIG, s, -1), mask=ok)
+    def _plan_index(key_ptr, idx_ptr, ent_ptr, pos_ptr, key_item0_ptr, item_key_ptr, lo_ptr, hi_ptr, okey_ptr,
+                    order_ptr, NE, STEPS, NK, NMAX, ITEM, HKVTOPK: tl.constexpr, SIZE_ORDER: tl.constexpr,
+                    NP: tl.constexpr, BE: tl.constexpr, CH: tl.constexpr):
+        # Programs 0..n-2: BE sorted positions each; the last one: the item tables, then (NP > 0) their launch order.
+        if tl.program_id(0) < tl.num_programs(0) - 1:
+            # Sorted position s -> entry: int32 copy of the sort indices, and the inverse map (slot -> s, -1 for the
+            # slots sorted past every real key: empty or dense-prefix).
+            s = tl.program_id(0) * BE + tl.arange(0, BE)
+            ok = s < NE
+            e = tl.load(idx_ptr + s, mask=ok, other=0).to(tl.int32)
+            tl.store(ent_ptr + s, e, mask=ok)
+            tl.store(pos_ptr + e, tl.where(tl.load(key_ptr + s, mask=ok, other=NK) < NK, s, -1), mask=ok)
+        else:
+            _plan_items(key_ptr, idx_ptr, key_item0_ptr, item_key_ptr, lo_ptr, hi_ptr, okey_ptr, NE, STEPS, NK, NMAX,
+                        ITEM, HKVTOPK, SIZE_ORDER, CH)
+            if NP > 0:
+                # The launch order: a stable sort of the rows by their keys (the row in the low bits; keys made
+                # non-negative, as "size" keys are not and % keeps the sign), in registers.
+                tl.debug_barrier()  # the keys were stored by other threads of this program
+                i = tl.arange(0, NP)
+                okey = tl.load(okey_ptr + i, mask=i < NMAX, other=2147483647).to(tl.int64) + 2147483648
+                tl.store(order_ptr + i, (tl.sort(okey * NP + i) % NP).to(tl.int32), mask=i < NMAX)
 
     @triton.jit
     def _lower_bound(sorted_ptr, n, x, steps):
@@ -271,9 +298,9 @@ if triton is not None:
         return lo
 
     @triton.jit
-    def _plan_items(key_ptr, ent_ptr, key_item0_ptr, item_key_ptr, lo_ptr, hi_ptr, okey_ptr, NE, STEPS, NK, NMAX,
+    def _plan_items(key_ptr, idx_ptr, key_item0_ptr, item_key_ptr, lo_ptr, hi_ptr, okey_ptr, NE, STEPS, NK, NMAX,
                     ITEM, HKVTOPK: tl.constexpr, SIZE_ORDER: tl.constexpr, CH: tl.constexpr):
-        # One program: keys CH at a time, in order; each key's entries [lo_k, hi_k) become ceil(n / ITEM) items.
+        # Keys CH at a time, in order; each key's entries [lo_k, hi_k) become ceil(n / ITEM) items.
         # Every address is written once (rows past the last item get the empty row), so no ordering is needed.
         carry = 0
         for c in range(0, NK, CH):
@@ -291,7 +318,7 @@ if triton is not None:
                 if SIZE_ORDER:
                     okey = lo - hi  # largest first
                 else:
-                    okey = (tl.load(ent_ptr + lo, mask=m, other=0) // HKVTOPK).to(tl.int32)  # first token
+                    okey = (tl.load(idx_ptr + lo, mask=m, other=0) // HKVTOPK).to(tl.int32)  # first token
                 tl.store(item_key_ptr + first + j, k, mask=m)
                 tl.store(lo_ptr + first + j, lo, mask=m)
                 tl.store(hi_ptr + first + j, hi, mask=m)

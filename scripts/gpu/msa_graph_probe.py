@@ -38,14 +38,25 @@ def capture(fn, warm: int = 2) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def probe(total, args, device, gen):
+def m3_args(args):
+    """bench_msa's case shapes (M3: 64 q / 4 KV heads, d 128, index dim 128, top-16, one local block) on args."""
+    args.hq, args.hkv, args.dim, args.index_dim = 64, 4, 128, 128
+    args.topk, args.init_blocks, args.local_blocks = 16, 0, 1
+    return args
+
+
+def single_case(total, args, device, gen):
+    """One bf16 sequence of `total` tokens: q, k, v (requiring grad), its block ids, cu_seqlens as a list, the
+    softmax scale, an output gradient and the resolved block-outer Config."""
     _, cu, index_q, index_k, q, k, v = make_case(total, 1, args, device, torch.bfloat16, gen)
     ids = msa.select_blocks(index_q, index_k, cu, args.topk, args.init_blocks, args.local_blocks)
-    cu_host = cu.tolist()
-    scale = args.dim ** -0.5
     # (from the CPU generator: after a graph captured SDPA, the device generator is the graph's)
     do = torch.randn(q.shape, generator=gen).to(device, q.dtype)
-    config = mbo._kernels(q, k, mbo.DEFAULT)
+    return q, k, v, ids, cu.tolist(), args.dim ** -0.5, do, mbo._kernels(q, k, mbo.DEFAULT)
+
+
+def probe(total, args, device, gen):
+    q, k, v, ids, cu_host, scale, do, config = single_case(total, args, device, gen)
 
     def eager():
         out = mbo.sparse_attention(q, k, v, ids, cu_host, scale)
@@ -132,10 +143,7 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--back-to-back", type=int, default=4)
     p.add_argument("--out", default=None)
-    args = p.parse_args()
-    # bench_msa's case shapes (M3: 64 q / 4 KV heads, d 128, index dim 128, top-16, one local block)
-    args.hq, args.hkv, args.dim, args.index_dim = 64, 4, 128, 128
-    args.topk, args.init_blocks, args.local_blocks = 16, 0, 1
+    args = m3_args(p.parse_args())
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
     report = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "torch": torch.__version__,

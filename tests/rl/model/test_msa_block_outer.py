@@ -51,7 +51,8 @@ def _case(lengths, hq, hkv, dim, topk, init=0, local=1, seed=0, **config):
 
 
 def _plan_mismatch(ids, cu, cfg):
-    """Names of the tables where the Triton-built plan (interpreter) differs from the torch-built one."""
+    """Names of the tables where a Triton-built plan (interpreter) differs from the torch-built one: items put in
+    launch order by the plan kernel, and by torch.sort (as past KERNEL_SORT_MAX item rows)."""
     from rl.model import msa_block_plan as mbp
     from rl.model.packed import seq_bounds
 
@@ -59,9 +60,16 @@ def _plan_mismatch(ids, cu, cfg):
     seq_d = torch.tensor([x for row in seq for x in row], dtype=torch.int32)
     n_max = ids.shape[1] * nkb + -(-ids.numel() // cfg.item_tokens)
     names = ("slot_gid", "slot_pos", "entries", "item_key", "lo", "hi", "order", "key_item0")
-    pairs = zip(names, mbp._plan_triton(ids, seq_d, len(seq), nkb, n_max, cfg),
-                mbp._plan_torch(ids, seq_d, len(seq), nkb, n_max, cfg))
-    return [n for n, a, b in pairs if a.dtype != b.dtype or not torch.equal(a, b)]
+    ref = mbp._plan_torch(ids, seq_d, len(seq), nkb, n_max, cfg)
+    bad, sort_max = [], mbp.KERNEL_SORT_MAX
+    try:
+        for mbp.KERNEL_SORT_MAX in (sort_max, 0):
+            pairs = zip(names, mbp._plan_triton(ids, seq_d, len(seq), nkb, n_max, cfg), ref)
+            bad += [f"{n} (sort max {mbp.KERNEL_SORT_MAX})" for n, a, b in pairs
+                    if a.dtype != b.dtype or not torch.equal(a, b)]
+    finally:
+        mbp.KERNEL_SORT_MAX = sort_max
+    return bad
 
 
 CASES = {  # name -> _case kwargs; tiny, as the interpreter runs every program in Python

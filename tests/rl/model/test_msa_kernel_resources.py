@@ -16,7 +16,7 @@ HOPPER_SHARED_BYTES = 227 * 1024  # per block, opt-in maximum on sm_90
 def test_hopper_compile_report():
     report = json.loads(run_with_triton("scripts/msa_kernel_resources.py", interpret=False))
     kernels = {k["kernel"]: k for k in report["kernels"]}
-    assert {"_fwd", "_fwd_gluon", "_bwd", "_bwd_gluon", "_merge", "_reduce_dq"} <= set(kernels)
+    assert {"_fwd", "_fwd_gluon", "_bwd", "_bwd_gluon", "_merge", "_reduce_grads"} <= set(kernels)
     for name in ("_fwd_gluon", "_bwd_gluon"):
         gluon = kernels[name]
         assert gluon["stack_bytes"] == 0 and gluon["shared_bytes"] <= HOPPER_SHARED_BYTES, gluon
@@ -34,3 +34,8 @@ def test_hopper_compile_report():
         assert not k["wgmma_serialized"], k
     for k in [kernels["_fwd_gluon"], kernels["_bwd_gluon"]] + ws:  # and none inside the loops that issue the MMAs
         assert k["mma_loop_spills"] == 0, k
+    # the plan kernel sorting 1K and 16K item rows into their launch order in one program's registers
+    index = [k for k in report["kernels"] if k["kernel"] == "_plan_index"]
+    assert sorted(k["NP"] for k in index) == [1024, 16384], index
+    for k in index:
+        assert k["stack_bytes"] == 0 and k["shared_bytes"] <= HOPPER_SHARED_BYTES, k
