@@ -133,7 +133,7 @@ def main():
         compile_report(mbp._plan_keys, types, dict(HKV=a.hkv, TOPK=a.topk, BE=1024), 4, 3),
         *(compile_report(mbp._plan_index, types, dict(HKVTOPK=a.hkv * a.topk, SIZE_ORDER=False, NP=np_, BE=1024,
                                                       CH=1024), warps, 3) | {"NP": np_}
-          for np_, warps in ((1024, 4), (16384, 16))),  # the launch-order sort of 4K / 64K tokens' items
+          for np_, warps in ((1024, 4), (mbp.KERNEL_SORT_MAX, 4))),  # the launch-order sort: 4K tokens' items, most
         compile_report(mbo._fwd, types, dict(shapes, TM=ftm, BM=fbm, PREC="tf32"), a.fwd_warps,
                        a.fwd_stages),
         compile_report(mbog._fwd_gluon, types, dict(shapes, TM=ftm, BM=fbm), fbm // 16, 1),

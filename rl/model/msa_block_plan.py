@@ -5,10 +5,10 @@ Every selection is an *entry*; entries are grouped by (KV head, key block) with 
 into *items* of at most `Config.item_tokens` tokens (one program each). The number of items is only known on the
 device, so the item tables get a host-computed upper bound of rows (`Plan.n_max`); the rows past the real items are
 empty and launched last. On CUDA two small Triton kernels build the tables around the sort, the second one also
-sorting the items into their launch order; without Triton (CPU) torch ops build the same tables (`_plan_torch`; the
-interpreter tests compare the two). Host work is what a 4K-token call waits on before its first heavy kernel
-(results/gpu/run92-93, scripts/gpu/msa_host_probe.py: ~15-35 us per Triton launch, ~45-65 us per torch.sort, ~300 us
-for a plan of three launches and two sorts), hence two launches and one sort.
+sorting short calls' items into their launch order (KERNEL_SORT_MAX); without Triton (CPU) torch ops build the same
+tables (`_plan_torch`; the interpreter tests compare the two). Host work is what a 4K-token call waits on before its
+first heavy kernel (results/gpu/run92-93, scripts/gpu/msa_host_probe.py: ~15-35 us per Triton launch, ~45-65 us per
+torch.sort, ~300 us for a plan of three launches and two sorts), hence two launches and one sort there.
 """
 
 from __future__ import annotations
@@ -114,8 +114,10 @@ class Plan:
 
 _EMPTY_KEY = 2 ** 31 - 1  # launch-order key of the empty item rows: after every real one
 # Item rows up to which the plan kernel sorts them into their launch order itself (one program, a bitonic sort of the
-# next power of two of keys in registers; 16K rows: a 64K-token sequence); past it, torch.sort does.
-KERNEL_SORT_MAX = 16384
+# next power of two of keys in registers: 2048 rows, an 8K-token sequence); past it, torch.sort does. The one-program
+# sort saves a torch.sort's host time, which matters where the kernels are short (4K: plan 0.16 vs 0.22 ms), and costs
+# GPU time at size (32K, 8192 rows: plan 0.44 vs 0.30 ms; results/gpu/run94).
+KERNEL_SORT_MAX = 2048
 
 
 def _host_tables(bounds, topk: int, dense_prefix_min: int):
@@ -224,7 +226,7 @@ def _plan_triton(block_ids, seq_d, nseq, nkb, n_max, config):
     _plan_index[(triton.cdiv(ne, 1024) + 1,)](
         key, idx, entries, pos, key_item0, item_key, lo, hi, okey, order, ne, max(ne, 1).bit_length(), hkv * nkb,
         n_max, config.item_tokens, HKVTOPK=hkv * topk, SIZE_ORDER=config.order == "size", NP=sort_np, BE=1024,
-        CH=1024, num_warps=16 if sort_np > 4096 else 4)
+        CH=1024)
     if config.order == "key":
         order = _rows(n_max, device)
     elif not sort_np:

@@ -140,7 +140,7 @@ def probe(total, args, device, gen):
         "plan_index": lambda: mbp._plan_index[(triton.cdiv(ne, 1024) + 1,)](
             skey, sidx, entries, pos, key_item0, item_key, lo, hi, okey, order, ne, max(ne, 1).bit_length(),
             hkv * nkb, n_max, config.item_tokens, HKVTOPK=hkv * topk, SIZE_ORDER=False,
-            NP=triton.next_power_of_2(n_max), BE=1024, CH=1024, num_warps=16 if n_max > 4096 else 4),
+            NP=triton.next_power_of_2(n_max) if n_max <= mbp.KERNEL_SORT_MAX else 0, BE=1024, CH=1024),
         "sort_items": lambda: torch.sort(okey, stable=True).indices,
         "build_plan": lambda: mbo.build_plan(ids, cu_host, config),
         "resolve_config": lambda: mbo._kernels(q, k, mbo.DEFAULT),

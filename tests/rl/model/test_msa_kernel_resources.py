@@ -34,8 +34,9 @@ def test_hopper_compile_report():
         assert not k["wgmma_serialized"], k
     for k in [kernels["_fwd_gluon"], kernels["_bwd_gluon"]] + ws:  # and none inside the loops that issue the MMAs
         assert k["mma_loop_spills"] == 0, k
-    # the plan kernel sorting 1K and 16K item rows into their launch order in one program's registers
+    # the plan kernel sorting 1K item rows (4K tokens) and the most it sorts into their launch order in one
+    # program's registers
     index = [k for k in report["kernels"] if k["kernel"] == "_plan_index"]
-    assert sorted(k["NP"] for k in index) == [1024, 16384], index
+    assert sorted(k["NP"] for k in index) == [1024, 2048], index
     for k in index:
         assert k["stack_bytes"] == 0 and k["shared_bytes"] <= HOPPER_SHARED_BYTES, k
