@@ -1,8 +1,9 @@
 """`python -m rollout.serve`: vLLM's OpenAI server with our plugin, serving the tiny M3 and a LoRA adapter.
 
 One server process per test session (shared with tests/rl/test_eval.py through `shared_server`): booting it costs
-two vLLM imports, most of a minute on the 2-core CI machine. It is always stopped by the fixture finalizers, and
-by atexit if pytest dies before them.
+two vLLM imports, most of a minute on the 2-core CI machine. It is always stopped by the fixture finalizers, by
+atexit if pytest exits before them, and by the kernel if pytest is killed (`die_with_parent`: a timeout's SIGKILL
+runs neither, and left servers running).
 """
 
 import atexit
@@ -98,6 +99,18 @@ class Server:
             self._log.close()
 
 
+# Runs a command as this process's child that Linux sends SIGTERM when its parent dies (PR_SET_PDEATHSIG survives
+# exec), exiting at once if the parent is already gone. In the child rather than a preexec_fn: the test process has
+# threads (vLLM's), with which preexec_fn can deadlock.
+_DIE_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
+                    "os.getppid() == int(sys.argv[1]) or sys.exit(1); os.execv(sys.argv[2], sys.argv[2:])")
+
+
+def die_with_parent(cmd: list[str]) -> list[str]:
+    """`cmd` (an absolute executable first) wrapped so that it ends with the process that starts it."""
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
+
+
 def launch_server(model_dir, adapter_dir, log_path: Path, *extra: str) -> Server:
     port = free_port()
     env = dict(os.environ)
@@ -106,7 +119,8 @@ def launch_server(model_dir, adapter_dir, log_path: Path, *extra: str) -> Server
     cmd = [sys.executable, "-m", "rollout.serve", "--model", str(model_dir),
            "--adapter", f"{ADAPTER_NAME}={adapter_dir}", "--port", str(port),
            "--served-model-name", BASE_NAME, "--dtype", "bfloat16", *extra]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(die_with_parent(cmd), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     return Server(proc, port, log_path, Path(model_dir), Path(adapter_dir), _log=log)
 
 
@@ -161,6 +175,42 @@ def post(url: str, payload: dict, timeout: float = 120) -> dict:
 def get(url: str, timeout: float = 30) -> dict:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return json.loads(r.read())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def test_a_killed_test_process_takes_its_server_with_it():
+    # A stand-in for pytest starts two sleepers, one through die_with_parent as the server is started, and is killed
+    # by SIGKILL (a timeout's): the wrapped one ends, the other one (the control) outlives it.
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time; from tests.rollout.test_serve import die_with_parent; "
+        f"cmd = {sleeper!r}; "
+        "kids = [subprocess.Popen(die_with_parent(cmd), start_new_session=True), "
+        "subprocess.Popen(cmd, start_new_session=True)]; "
+        "print(*[k.pid for k in kids], flush=True); time.sleep(120)")], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    wrapped, control = map(int, parent.stdout.readline().split())
+    try:
+        time.sleep(1)  # the wrapper has exec'd the sleeper
+        assert _alive(wrapped) and _alive(control)
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(wrapped) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(wrapped), "the wrapped child outlived its killed parent"
+        assert _alive(control), "the control child died too: the test shows nothing"
+    finally:
+        for pid in (wrapped, control):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        parent.kill()
 
 
 # ----------------------------------------------------------------------------------------------
