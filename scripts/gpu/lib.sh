@@ -4,7 +4,7 @@
 # `run NAME LIMIT CMD...`: CMD's output to $OUT/NAME.log, its exit code and seconds to $OUT/summary.log.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD" M3RL_TINY_MODEL_CACHE=/tmp/m3cache
-OUT="${OUT:-results/gpu/$(basename "$0" .sh)}"; mkdir -p "$OUT"
+OUT="${OUT:-results/gpu/$(basename "$0" .sh)}"; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # steps may cd (base/)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 run() { local name=$1 limit=$2; shift 2; local t=$(date +%s); timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "$name rc=$? $(( $(date +%s) - t ))s" | tee -a "$OUT/summary.log"; }
 P="python3 -m pytest -m gpu -q -p no:cacheprovider -p no:logging"

@@ -58,3 +58,28 @@ def test_launcher_two_gloo_ranks(tmp_path):
     replicated = _launch(tmp_path, "--shard-base", "0")["ranks"][0]["packed_local_gb"]
     sharded = [x["packed_local_gb"] for x in r["ranks"]]
     assert all(0.45 < s / replicated < 0.55 for s in sharded), (sharded, replicated)
+
+
+def test_slice_pairs_ratios_per_round_and_incomplete_rounds_left_out(tmp_path):
+    # scripts/gpu/slice_pairs.py on slices as train_step_m3.py writes them: round 1 lost its bf16 slice (cut by the
+    # budget), so it gives a quantized/base ratio but no pair
+    sys.path.insert(0, str(ROOT / "scripts" / "gpu"))
+    import slice_pairs
+
+    tok = {(0, "quantized"): 25100, (0, "bf16"): 25000, (0, "base_quantized"): 24900,
+           (1, "quantized"): 24800, (1, "base_quantized"): 24900,
+           (2, "quantized"): 25000, (2, "bf16"): 25200, (2, "base_quantized"): 25000}
+    for (i, cfg), t in tok.items():
+        (tmp_path / f"r{i}_{cfg}.json").write_text(json.dumps(
+            {"tokens_per_s": t, "peak_allocated_gb_max": 70.0, "mfu_vs_989_tflops": 0.3}))
+    out = tmp_path / "pairs.json"
+    assert slice_pairs.main([str(tmp_path), "--out", str(out), "--meta", '{"step": "pairs:4:4:3:base"}']) == 0
+    r = json.loads(out.read_text())
+    assert r["step"] == "pairs:4:4:3:base" and r["complete_pairs"] == 2
+    assert [row["first"] for row in r["rounds"]] == ["quantized", "bf16", "quantized"]
+    assert "quantized_over_bf16" not in r["rounds"][1]
+    assert r["quantized_over_bf16"] == {"median": round((25100 / 25000 + 25000 / 25200) / 2, 4),
+                                        "min": round(25000 / 25200, 4), "max": round(25100 / 25000, 4), "n": 2}
+    assert r["quantized_over_base"]["n"] == 3 and r["quantized_over_base"]["median"] == 1.0
+    # no slice JSON at all: an error, not an empty result
+    assert slice_pairs.main([str(tmp_path / "none"), "--out", str(out)]) == 1
