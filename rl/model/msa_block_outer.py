@@ -50,7 +50,8 @@ import torch
 import torch.nn.functional as F
 
 from m3.ops import MSA_BLOCK as BLOCK  # keys per program
-from rl.model.msa_block_plan import DEFAULT, Config, Plan, build_plan  # noqa: F401  (build_plan: re-exported)
+from rl.model.msa_block_plan import (DEFAULT, Config, Plan, build_plan,  # noqa: F401  (build_plan: re-exported)
+                                     dense_prefixes)
 from rl.model.packed import seq_bounds, sequence_group_spans
 
 try:
@@ -435,13 +436,13 @@ def _causal_sdpa(q, k, v, spans, scale: float):
     return torch.cat(outs) if outs else q.new_empty(0, *q.shape[1:])
 
 
-def _dense_prefix(q, k, v, plan: Plan, scale: float):
-    """The dense prefixes' attention, rows in `plan.dense_idx` order."""
-    if not plan.prefixes:
+def _dense_prefix(q, k, v, prefixes: list, dense_idx: torch.Tensor, scale: float):
+    """The dense prefixes' attention (`Plan.prefixes`), rows in `Plan.dense_idx` order."""
+    if not prefixes:
         return None
-    qp, kp, vp = (x.index_select(0, plan.dense_idx) for x in (q, k, v))  # one gather: its backward is one scatter
-    offsets = torch.tensor([0] + [n for _, n in plan.prefixes]).cumsum(0).tolist()
-    return _causal_sdpa(qp, kp, vp, [(o, n) for o, (_, n) in zip(offsets, plan.prefixes)], scale)
+    qp, kp, vp = (x.index_select(0, dense_idx) for x in (q, k, v))  # one gather: its backward is one scatter
+    offsets = torch.tensor([0] + [n for _, n in prefixes]).cumsum(0).tolist()
+    return _causal_sdpa(qp, kp, vp, [(o, n) for o, (_, n) in zip(offsets, prefixes)], scale)
 
 
 def sparse_attention(q, k, v, block_ids, cu_seqlens, scale: float, config: Config = DEFAULT) -> torch.Tensor:
@@ -456,7 +457,7 @@ def sparse_attention(q, k, v, block_ids, cu_seqlens, scale: float, config: Confi
     config = _kernels(q, k, config)
     groups, dense = [], []
     for s, e, group_cu in sequence_group_spans(bounds, config.group_tokens):
-        plan = build_plan(block_ids[s:e], group_cu, config)
-        groups.append((s, e, plan))
-        dense.append(_dense_prefix(q[s:e], k[s:e], v[s:e], plan, scale))
+        # the prefix's SDPA first: the GPU runs it while the host builds the plan (a short call's latency)
+        dense.append(_dense_prefix(q[s:e], k[s:e], v[s:e], *dense_prefixes(block_ids[s:e], group_cu, config), scale))
+        groups.append((s, e, build_plan(block_ids[s:e], group_cu, config)))
     return _BlockOuter.apply(q, k, v, groups, scale, config, *dense)

@@ -154,6 +154,14 @@ def _device_tables(bounds: tuple, t_count: int, topk: int, dense_prefix_min: int
     return seq_d, len(seq), kstart_d, kend_d, prefixes, nkb, dense_row, dense_idx
 
 
+def dense_prefixes(block_ids: torch.Tensor, cu_seqlens, config: Config = DEFAULT) -> tuple[list, torch.Tensor]:
+    """`Plan.prefixes` and `Plan.dense_idx` of `build_plan` (the same cached tables), without the plan's kernels:
+    the dense prefixes' SDPA can be queued before the plan's host work."""
+    tables = _device_tables(tuple(seq_bounds(cu_seqlens)), block_ids.shape[0], block_ids.shape[2],
+                            config.dense_prefix_min, block_ids.device)
+    return tables[4], tables[7]
+
+
 def build_plan(block_ids: torch.Tensor, cu_seqlens, config: Config = DEFAULT) -> Plan:
     """The inverted lists, with no device->host sync (the plan is built inside every attention call; a sync there
     drains the launch queue of the whole layer): host tables in Python, copied in one transfer once per batch layout
