@@ -422,8 +422,17 @@ class _BlockOuter(torch.autograd.Function):
         for (s, e, plan), has_dense in zip(ctx.groups, ctx.has_dense):
             _backward(q[s:e], k[s:e], v[s:e], o[s:e], lse[s:e], do[s:e], plan, ctx.scale, ctx.config, dq[s:e],
                       dk[s:e], dv[s:e])
-            d_dense.append(do[s:e].index_select(0, plan.dense_idx) if has_dense else None)
+            d_dense.append(_dense_rows(do[s:e], plan.prefixes, plan.dense_idx) if has_dense else None)
         return dq, dk, dv, None, None, None, *d_dense
+
+
+def _dense_rows(x, prefixes: list, dense_idx: torch.Tensor) -> torch.Tensor:
+    """x's dense-prefix rows in `dense_idx` order: a group's one prefix as a view (no copy; a single sequence's
+    call), else one gather (its backward: one scatter)."""
+    if len(prefixes) == 1:
+        start, n = prefixes[0]
+        return x[start:start + n]
+    return x.index_select(0, dense_idx)
 
 
 def _causal_sdpa(q, k, v, spans, scale: float):
@@ -440,7 +449,7 @@ def _dense_prefix(q, k, v, prefixes: list, dense_idx: torch.Tensor, scale: float
     """The dense prefixes' attention (`Plan.prefixes`), rows in `Plan.dense_idx` order."""
     if not prefixes:
         return None
-    qp, kp, vp = (x.index_select(0, dense_idx) for x in (q, k, v))  # one gather: its backward is one scatter
+    qp, kp, vp = (_dense_rows(x, prefixes, dense_idx) for x in (q, k, v))
     offsets = torch.tensor([0] + [n for _, n in prefixes]).cumsum(0).tolist()
     return _causal_sdpa(qp, kp, vp, [(o, n) for o, (_, n) in zip(offsets, prefixes)], scale)
 

@@ -82,8 +82,9 @@ CASES = {  # name -> _case kwargs; tiny, as the interpreter runs every program i
                             item_tokens=64, order="size"),
     "atomic_dq_g3": dict(lengths=[200, 60], hq=6, hkv=2, dim=16, topk=2, dense_prefix_min=0, dq="atomic",
                          fwd_rows=12, bwd_rows=12, order="key"),  # items launched in key order (no sort)
-    # three kernel calls ([300], [77, 260], [290]), each with its own plan and dense prefix, in one autograd node
-    "sequence_groups": dict(lengths=[300, 77, 260, 290], hq=4, hkv=2, dim=16, topk=2, dense_prefix_min=1,
+    # three kernel calls ([300], [77, 260], [290]), each with its own plan and dense prefix, in one autograd node;
+    # the 77-token sequence's prefix is under dense_prefix_min, so the middle call's one prefix starts at its token 77
+    "sequence_groups": dict(lengths=[300, 77, 260, 290], hq=4, hkv=2, dim=16, topk=2, dense_prefix_min=100,
                             item_tokens=16, group_tokens=340),
 }
 
@@ -102,7 +103,7 @@ def test_block_outer_under_the_interpreter_matches_reference():
         assert r["plan_mismatch"] == [], (name, r)
     # the cases reach what they are named for
     assert report["packed_dense_prefix"]["dense_tokens"] == 256 + 77 + 256
-    assert report["sequence_groups"]["dense_tokens"] == 256 + 77 + 256 + 256  # (one plan over all: the same count)
+    assert report["sequence_groups"]["dense_tokens"] == 256 + 256 + 256  # (one plan over all: the same count)
     assert report["no_prefix_init_split"]["empty_kernel_slots"] > 0  # -1 padding inside the kernels
     assert report["no_prefix_init_split"]["items"] > 2 * report["no_prefix_init_split"]["keys"]  # lists split
 
