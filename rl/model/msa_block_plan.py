@@ -154,12 +154,17 @@ def _device_tables(bounds: tuple, t_count: int, topk: int, dense_prefix_min: int
     return seq_d, len(seq), kstart_d, kend_d, prefixes, nkb, dense_row, dense_idx
 
 
+def _layout_tables(block_ids: torch.Tensor, cu_seqlens, config: Config):
+    """`_device_tables` of this call's batch layout (cached: the same for every layer of a step)."""
+    return _device_tables(tuple(seq_bounds(cu_seqlens)), block_ids.shape[0], block_ids.shape[2],
+                          config.dense_prefix_min, block_ids.device)
+
+
 def dense_prefixes(block_ids: torch.Tensor, cu_seqlens, config: Config = DEFAULT) -> tuple[list, torch.Tensor]:
     """`Plan.prefixes` and `Plan.dense_idx` of `build_plan` (the same cached tables), without the plan's kernels:
     the dense prefixes' SDPA can be queued before the plan's host work."""
-    tables = _device_tables(tuple(seq_bounds(cu_seqlens)), block_ids.shape[0], block_ids.shape[2],
-                            config.dense_prefix_min, block_ids.device)
-    return tables[4], tables[7]
+    _, _, _, _, prefixes, _, _, dense_idx = _layout_tables(block_ids, cu_seqlens, config)
+    return prefixes, dense_idx
 
 
 def build_plan(block_ids: torch.Tensor, cu_seqlens, config: Config = DEFAULT) -> Plan:
@@ -169,8 +174,7 @@ def build_plan(block_ids: torch.Tensor, cu_seqlens, config: Config = DEFAULT) ->
     `_plan_index`, which also sorts the items into their launch order), and without Triton (CPU) the same tables from
     torch ops (`_plan_torch`)."""
     t_count, hkv, topk = block_ids.shape
-    seq_d, nseq, kstart_d, kend_d, prefixes, nkb, dense_row, dense_idx = _device_tables(
-        tuple(seq_bounds(cu_seqlens)), t_count, topk, config.dense_prefix_min, block_ids.device)
+    seq_d, nseq, kstart_d, kend_d, prefixes, nkb, dense_row, dense_idx = _layout_tables(block_ids, cu_seqlens, config)
     ne = t_count * hkv * topk
     n_max = hkv * nkb + -(-ne // config.item_tokens)  # each key adds < 1 item to its share of ceil(NE / item_tokens)
     if triton is not None:
