@@ -12,7 +12,7 @@ import torch
 from m3.config import resolve_text_config
 from quant.checkpoint import MXFP8Weight, NVFP4Weight
 from rl.model.synthetic_base import SyntheticCheckpoint
-from tests.rl.test_train_torchrun import free_port
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,

@@ -9,7 +9,6 @@ failed adapter sync stops both; neither hangs."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,15 +16,10 @@ from pathlib import Path
 import pytest
 
 from m3.tiny import ensure_tiny_model
+from tests.ports import free_port
 from tests.rl.test_train import adapter_bytes, comparable_rows, fast_overrides, sigkill_after_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun_cmd(module_args: list[str]) -> tuple[list[str], dict]:

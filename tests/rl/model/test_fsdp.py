@@ -11,12 +11,13 @@ layer while it is built (M3ForTraining's `on_layer`, how full-size models are bu
 
 import json
 import os
-import socket
 import time
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+
+from tests.ports import free_port
 
 LENS = [37, 70, 25, 55, 48, 31]  # rank 0 takes the first 3 sequences, rank 1 the last 3
 WORLD = 2
@@ -29,12 +30,6 @@ CASES = {"bf16_fp32": ("bf16", "float32", None, False), "quantized_fp32": ("quan
 # relative error bounds (loss, worst gradient tensor); mixed precision: bf16 gradients, reduced in fp32
 TOL = {"bf16_fp32": (1e-6, 1e-5), "quantized_fp32": (1e-6, 1e-5), "quantized_fp32_shard_base": (1e-6, 1e-5),
        "quantized_bf16_mp": (1e-5, 1e-2)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batch(seqs):
@@ -151,7 +146,7 @@ def test_fsdp2_two_gloo_ranks_match_one_process(tmp_path):
     from m3.tiny import ensure_tiny_model
 
     path = str(ensure_tiny_model(dtype="float32").vllm)
-    _run_ranks(_free_port(), path, str(tmp_path))
+    _run_ranks(free_port(), path, str(tmp_path))
     report = json.loads((tmp_path / "report.json").read_text())
     print(json.dumps(report, indent=1))
     assert report.pop("built_sharded_max_abs") <= 1e-6
