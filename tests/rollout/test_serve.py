@@ -221,18 +221,20 @@ def test_a_killed_test_process_takes_its_server_with_it():
 # ----------------------------------------------------------------------------------------------
 # bad input: one clear error, before vLLM is imported
 
-def run_serve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rollout.serve", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=60)
+def run_serve(*args: str, python_flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *python_flags, "-m", "rollout.serve", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
 
 
 def test_missing_model_dir_is_one_clear_error(tmp_path):
-    t0 = time.monotonic()
-    p = run_serve("--model", str(tmp_path / "nope"))
+    # -X importtime lists every module the process imported (on stderr): the error comes before vLLM's ~15 s import
+    p = run_serve("--model", str(tmp_path / "nope"), python_flags=("-X", "importtime"))
     assert p.returncode == 2
     assert "rollout.serve: error: --model" in p.stderr and "no such directory" in p.stderr
     assert "Traceback" not in p.stderr
-    assert time.monotonic() - t0 < 30  # refused before vLLM's ~15 s import
+    imported = [line.rsplit("|", 1)[1].strip() for line in p.stderr.splitlines() if line.startswith("import time:")]
+    assert "rollout" in imported, "no import list: the check below would show nothing"
+    assert not [m for m in imported if m.split(".")[0] in ("vllm", "torch")], "refused only after importing vllm"
 
 
 def test_adapter_without_config_is_one_clear_error(tmp_path):
