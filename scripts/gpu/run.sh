@@ -15,10 +15,11 @@
 #                         activation checkpointing on, MoE chunks of C tokens (default 16384); P=1: the time split;
 #                         M=1: what is live at the peak of one more step, by allocation site (--memory-peak);
 #                         SLICE_STEPS timed steps (default 2)
-#   pairs:L:S:N[:base]    N rounds of the quantized and the bf16 slice (L layers, S x 16K tokens, SLICE_STEPS timed
+#   pairs:L:S:N[:base[:C]]  N rounds of the quantized and the bf16 slice (L layers, S x 16K tokens, SLICE_STEPS timed
 #                         steps, default 4 here) side by side, alternating which goes first; with base: also base/'s
-#                         quantized slice (base/ = another commit's tree, .whl linked) in each round. Ratios per round
-#                         and their median in $OUT/pairs.json (scripts/gpu/slice_pairs.py)
+#                         quantized slice (base/ = another commit's tree, .whl linked) in each round; MoE chunks of C
+#                         tokens as slice's (default 16384; 0: off, e.g. pairs:2:8:2::0). Ratios per round and their
+#                         median in $OUT/pairs.json (scripts/gpu/slice_pairs.py, which refuses slices run differently)
 #   trainer_tests         pytest -m gpu: the trainer fast-paths test (tests/rl/model/test_trainer_gpu.py) and the fused
 #                         SwiGLU and add-norm backward kernels (test_swiglu_triton.py, test_lean_triton.py)
 #   block_tests           pytest -m gpu: the block-outer MSA kernels alone (tests/rl/model/test_msa_block_outer.py)
@@ -73,7 +74,7 @@ for step in "$@"; do
           --seqs-per-rank "$seqs" --steps "${SLICE_STEPS:-2}" --base "$base" --shard-base 0 \
           --moe-chunk-tokens "$chunk" --profile "$p" --memory-peak "${mpeak:-0}" --out "$OUT/$name.json" ;;
     pairs:*)
-      IFS=: read -r _ layers seqs rounds with_base <<< "$step"
+      IFS=: read -r _ layers seqs rounds with_base chunk <<< "$step"; chunk=${chunk:-16384}
       out="$OUT/pairs"; mkdir -p "$out"
       for ((i = 0; i < rounds; i++)); do
         order="quantized ${with_base:+base_quantized} bf16"; (( i % 2 )) && order="bf16 ${with_base:+base_quantized} quantized"
@@ -82,7 +83,7 @@ for step in "$@"; do
           dir=.; [ "$cfg" = base_quantized ] && dir=base
           (cd "$dir" && run "r${i}_$cfg" "$(lim 150)" torchrun --nproc-per-node 1 scripts/train_step_m3.py \
               --layers "$layers" --seq-len 16384 --seqs-per-rank "$seqs" --steps "${SLICE_STEPS:-4}" \
-              --base "${cfg#base_}" --shard-base 0 --out "$out/r${i}_$cfg.json")
+              --base "${cfg#base_}" --shard-base 0 --moe-chunk-tokens "$chunk" --out "$out/r${i}_$cfg.json")
         done
       done
       python3 scripts/gpu/slice_pairs.py "$out" --out "$OUT/pairs.json" \

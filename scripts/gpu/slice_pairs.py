@@ -28,6 +28,23 @@ def load(folder: Path) -> dict:
     return rounds
 
 
+def shared_settings(rounds: dict) -> dict:
+    """The slices' settings but `base`, which all must share: slices run otherwise (other MoE chunks, layers, steps)
+    make a ratio that is not a pair. A ValueError names the slice and the keys that differ."""
+    seen, first = None, None
+    for i in sorted(rounds):
+        for cfg, r in sorted(rounds[i].items()):
+            if "settings" not in r:
+                raise ValueError(f"r{i}_{cfg}.json has no 'settings': not a scripts/train_step_m3.py result")
+            s = {k: v for k, v in r["settings"].items() if k != "base"}
+            if seen is None:
+                seen, first = s, f"r{i}_{cfg}"
+            elif s != seen:
+                keys = sorted(k for k in s.keys() | seen.keys() if s.get(k) != seen.get(k))
+                raise ValueError(f"r{i}_{cfg}.json differs from {first}.json in settings {keys}: not a pair")
+    return seen
+
+
 def summarize(rounds: dict) -> dict:
     rows, q_bf16, q_base = [], [], []
     for i in sorted(rounds):
@@ -43,7 +60,7 @@ def summarize(rounds: dict) -> dict:
             row["quantized_over_base"] = round(tok["quantized"] / tok["base_quantized"], 4)
             q_base.append(row["quantized_over_base"])
         rows.append(row)
-    out = {"rounds": rows, "complete_pairs": len(q_bf16)}
+    out = {"settings": shared_settings(rounds), "rounds": rows, "complete_pairs": len(q_bf16)}
     for name, xs in (("quantized_over_bf16", q_bf16), ("quantized_over_base", q_base)):
         if xs:
             out[name] = {"median": round(statistics.median(xs), 4), "min": min(xs), "max": max(xs), "n": len(xs)}
@@ -60,7 +77,11 @@ def main(argv=None) -> int:
     if not rounds:
         print(f"slice_pairs: no r<i>_<config>.json in {args.folder}", file=sys.stderr)
         return 1
-    result = {**json.loads(args.meta), **summarize(rounds)}
+    try:
+        result = {**json.loads(args.meta), **summarize(rounds)}
+    except ValueError as e:
+        print(f"slice_pairs: {e}", file=sys.stderr)
+        return 1
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     for row in result["rounds"]:
         print("pair", json.dumps(row))

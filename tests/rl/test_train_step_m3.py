@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from m3.config import resolve_text_config
@@ -69,17 +70,27 @@ def test_slice_pairs_ratios_per_round_and_incomplete_rounds_left_out(tmp_path):
     tok = {(0, "quantized"): 25100, (0, "bf16"): 25000, (0, "base_quantized"): 24900,
            (1, "quantized"): 24800, (1, "base_quantized"): 24900,
            (2, "quantized"): 25000, (2, "bf16"): 25200, (2, "base_quantized"): 25000}
-    for (i, cfg), t in tok.items():
+    def write(i, cfg, t, chunk=16384):
+        settings = {"layers": 4, "seqs_per_rank": 4, "moe_chunk_tokens": chunk, "base": cfg.removeprefix("base_")}
         (tmp_path / f"r{i}_{cfg}.json").write_text(json.dumps(
-            {"tokens_per_s": t, "peak_allocated_gb_max": 70.0, "mfu_vs_989_tflops": 0.3}))
+            {"tokens_per_s": t, "peak_allocated_gb_max": 70.0, "mfu_vs_989_tflops": 0.3, "settings": settings}))
+
+    for (i, cfg), t in tok.items():
+        write(i, cfg, t)
     out = tmp_path / "pairs.json"
     assert slice_pairs.main([str(tmp_path), "--out", str(out), "--meta", '{"step": "pairs:4:4:3:base"}']) == 0
     r = json.loads(out.read_text())
     assert r["step"] == "pairs:4:4:3:base" and r["complete_pairs"] == 2
+    assert r["settings"] == {"layers": 4, "seqs_per_rank": 4, "moe_chunk_tokens": 16384}
     assert [row["first"] for row in r["rounds"]] == ["quantized", "bf16", "quantized"]
     assert "quantized_over_bf16" not in r["rounds"][1]
     assert r["quantized_over_bf16"] == {"median": round((25100 / 25000 + 25000 / 25200) / 2, 4),
                                         "min": round(25000 / 25200, 4), "max": round(25100 / 25000, 4), "n": 2}
     assert r["quantized_over_base"]["n"] == 3 and r["quantized_over_base"]["median"] == 1.0
+    # a slice run without MoE chunks beside ones with them: not a pair, refused by name
+    write(2, "bf16", 25200, chunk=0)
+    with pytest.raises(ValueError, match=r"r2_bf16.json differs .* \['moe_chunk_tokens'\]"):
+        slice_pairs.summarize(slice_pairs.load(tmp_path))
+    assert slice_pairs.main([str(tmp_path), "--out", str(out)]) == 1
     # no slice JSON at all: an error, not an empty result
     assert slice_pairs.main([str(tmp_path / "none"), "--out", str(out)]) == 1
