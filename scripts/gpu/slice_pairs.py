@@ -50,7 +50,8 @@ def summarize(rounds: dict) -> dict:
     for i in sorted(rounds):
         r = rounds[i]
         tok = {c: r[c]["tokens_per_s"] for c in CONFIGS if c in r and r[c].get("tokens_per_s")}
-        row = {"round": i, "first": "bf16" if i % 2 else "quantized", "tokens_per_s": {c: round(v) for c, v in tok.items()},
+        row = {"round": i, "first": "bf16" if i % 2 else "quantized",
+               "tokens_per_s": {c: round(v) for c, v in tok.items()},
                "peak_gb": {c: round(r[c]["peak_allocated_gb_max"], 1) for c in tok},
                "mfu": {c: round(r[c]["mfu_vs_989_tflops"], 4) for c in tok}}
         if "quantized" in tok and "bf16" in tok:
