@@ -16,15 +16,31 @@ class PackedBatch:
     routing: np.ndarray | None  # [T, layers, topk] engine routing (rows = fed tokens)
     blocks: np.ndarray | None  # [T, sparse layers, kv heads, topk]
 
-    def to_matrix(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-position values [T] -> ([B, Lmax] response-token values, [B, Lmax] mask), for verl's [B, L] losses."""
+    def to_matrix(self, values: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-position values [T] -> ([B, L] response-token values, [B, L] mask), for verl's [B, L] losses; L is the
+        longest response, or `width` (a micro-batch padded as its whole batch: losses that divide by L agree)."""
         rows, masks = [], []
         for s, e in zip(self.cu_seqlens[:-1].tolist(), self.cu_seqlens[1:].tolist()):
             m = self.response_mask[s:e]
             rows.append(values[s:e][m])
             masks.append(torch.ones(int(m.sum()), dtype=torch.bool))
-        return (torch.nn.utils.rnn.pad_sequence(rows, batch_first=True),
-                torch.nn.utils.rnn.pad_sequence(masks, batch_first=True))
+        vals = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+        mask = torch.nn.utils.rnn.pad_sequence(masks, batch_first=True)
+        if width is None or width == vals.shape[1]:
+            return vals, mask
+        if width < vals.shape[1]:
+            raise ValueError(f"to_matrix: width {width} < the longest response ({vals.shape[1]} tokens)")
+        wide = vals.new_zeros(vals.shape[0], width), mask.new_zeros(mask.shape[0], width)
+        wide[0][:, :vals.shape[1]], wide[1][:, :mask.shape[1]] = vals, mask
+        return wide
+
+    def select(self, a: int, b: int) -> "PackedBatch":
+        """Sequences a..b-1 as a batch of their own (a micro-batch)."""
+        cu = self.cu_seqlens[a:b + 1]
+        s, e = int(cu[0]), int(cu[-1])
+        return PackedBatch(self.input_ids[s:e], self.targets[s:e], cu - s, self.response_mask[s:e],
+                           self.rollout_logprobs[s:e], None if self.routing is None else self.routing[s:e],
+                           None if self.blocks is None else self.blocks[s:e])
 
 
 def pack_rollouts(rollouts) -> PackedBatch:

@@ -143,6 +143,9 @@ class FSDPCfg:  # under torchrun (world size > 1); see rl/model/fsdp.py
 class ActorCfg:
     ppo_epochs: int = 1
     ppo_mini_batch_size: int | None = None  # None = data.train_batch_size: one optimizer step per batch
+    # verl's key: sequences per forward/backward on each GPU, gradients accumulated over them into the one step
+    # (None: the rank's whole share in one pass). Activation memory follows it: rl.sizing and the dry run use it.
+    ppo_micro_batch_size_per_gpu: int | None = None
     # verl's ActorConfig keys and defaults; the clip ratios act with rollout_correction.loss_type=ppo_clip
     clip_ratio: float = 0.2
     clip_ratio_low: float = 0.2
@@ -241,7 +244,8 @@ BOUNDS = {
     "algorithm.gamma": (0.0, 1.0), "algorithm.lam": (0.0, 1.0),
     "algorithm.rollout_correction.rollout_is_threshold": ("(", 1.0, None),
     "algorithm.rollout_correction.rollout_rs_threshold": ("(", 0.0, None),
-    "actor.ppo_epochs": (1, 1), "actor.ppo_mini_batch_size": (1, None), "actor.optim.lr": ("(", 0.0, None),
+    "actor.ppo_epochs": (1, 1), "actor.ppo_mini_batch_size": (1, None),
+    "actor.ppo_micro_batch_size_per_gpu": (1, None), "actor.optim.lr": ("(", 0.0, None),
     "actor.optim.betas": (0.0, 1.0, ")"), "actor.optim.weight_decay": (0.0, None),
     "actor.optim.grad_clip": ("(", 0.0, None),
     "actor.optim.lr_warmup_steps": (0, None),

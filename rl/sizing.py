@@ -355,7 +355,13 @@ def setup_from_config(cfg) -> dict:
     """Setup values from a composed rl.train config (a recipe)."""
     ek = cfg.rollout.engine_kwargs
     spec = ek.get("speculative_config") or {}  # null: unset by a derived recipe
-    return {"gpus": world_size(cfg), "seq_len": cfg.data.max_prompt_length + cfg.data.max_response_length,
+    gpus, tp = world_size(cfg), cfg.rollout.tensor_model_parallel_size
+    # the trainer's sequences per forward/backward: the micro-batch, else a rank's whole share of the step (prompts
+    # split over the engine replicas, then over each engine's ranks: rl.train.generate)
+    per_replica = -(-cfg.data.train_batch_size // max(1, gpus // tp))
+    share = -(-per_replica // tp) * cfg.rollout.n
+    return {"gpus": gpus, "seq_len": cfg.data.max_prompt_length + cfg.data.max_response_length,
+            "micro_batch": cfg.actor.ppo_micro_batch_size_per_gpu or share,
             "batch": cfg.data.train_batch_size * cfg.rollout.n, "lora_rank": cfg.model.lora.rank,
             "engine_tp": cfg.rollout.tensor_model_parallel_size, "engine_ep": cfg.rollout.enable_expert_parallel,
             "gpu_mem_util": cfg.rollout.gpu_memory_utilization, "max_num_seqs": cfg.rollout.max_num_seqs,

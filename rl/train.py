@@ -4,9 +4,11 @@ Single controller; one step is the stages below, in order:
   generate   n responses per prompt with the current adapter (rollout logprobs, routed experts, MSA blocks);
              then the engine sleeps when rollout.free_cache_engine is on
   score      rewards (verl's scorers, by data source)
-  forward    the trainer's logprobs of the same tokens, replaying the engine's experts (and blocks)
   advantages GRPO (verl), per group of n
-  update     token-TIS loss with the rollout logprobs as the old logprobs (verl's bypass mode), one optimizer step
+  forward    the trainer's logprobs of the same tokens, replaying the engine's experts (and blocks), then the
+             backward of the token-TIS loss with the rollout logprobs as the old logprobs (verl's bypass mode); per
+             micro-batch of actor.ppo_micro_batch_size_per_gpu sequences when set, gradients accumulating
+  update     one optimizer step
   sync       wakes the engine; only the adapter, in memory, to the engine (checksum compared, each TP shard
              verified)
   log        one console line; every metric to metrics.jsonl and W&B
@@ -85,16 +87,17 @@ def score(s: Session, idx: list[int], groups: list) -> Scored:
     return out
 
 
-def forward(s: Session, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
-    """[B, L] trainer logprobs, rollout logprobs and response mask; the engine's choices replayed as configured; the
-    trainer's own choices' agreement with the engine's."""
+def forward(s: Session, batch: PackedBatch, width: int | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """[B, L] trainer logprobs, rollout logprobs and response mask (L: the longest response, or `width`); the
+    engine's choices replayed as configured; the trainer's own choices' agreement with the engine's."""
     replay = {"routing": s.cfg.actor.routing_replay, "blocks": s.cfg.actor.block_replay}
     stats = ForwardStats(keep_choices=not all(replay.values()))  # own choices kept only where not replayed
     logprobs = s.model.token_logprobs(batch.input_ids, batch.cu_seqlens, batch.targets, stats=stats,
                                       routing=batch.routing if replay["routing"] else None,
                                       blocks=batch.blocks if replay["blocks"] else None)
-    lp, mask = batch.to_matrix(logprobs)
-    old_lp, _ = batch.to_matrix(batch.rollout_logprobs)
+    lp, mask = batch.to_matrix(logprobs, width)
+    old_lp, _ = batch.to_matrix(batch.rollout_logprobs, width)
     return lp, old_lp, mask, engine_agreement(s.model, stats, batch, replay)
 
 
@@ -102,18 +105,57 @@ def advantages(s: Session, scored: Scored, mask: torch.Tensor) -> torch.Tensor:
     return compute_advantages(torch.tensor(scored.rewards), mask, np.array(scored.group_ids), s.cfg.algorithm)
 
 
-def loss_of(s: Session, lp, old_lp, adv, mask) -> tuple[torch.Tensor, dict]:
-    # FSDP averages gradients over ranks; verl's agg_loss scales by dp_size and the global counts to undo it
-    info = global_batch_info(mask, s.world, torch.distributed.all_reduce if s.world > 1 else None)
+def batch_info(s: Session, mask: torch.Tensor) -> dict:
+    # FSDP averages gradients over ranks; verl's agg_loss scales by dp_size and the global counts to undo it, and
+    # the same global counts make each micro-batch's loss its share of the step's loss
+    return global_batch_info(mask, s.world, torch.distributed.all_reduce if s.world > 1 else None)
+
+
+def loss_of(s: Session, lp, old_lp, adv, mask, info: dict) -> tuple[torch.Tensor, dict]:
     return policy_loss(lp, old_lp, adv, mask, s.cfg.algorithm, s.cfg.actor, info)
 
 
-def update(s: Session, loss: torch.Tensor) -> float | None:
-    """One optimizer step; None (and no step) when the loss or the gradient norm is not finite."""
+def micro_batches(s: Session, n: int) -> list[tuple[int, int, float]]:
+    """This rank's n sequences as (start, end, weight) spans of <= actor.ppo_micro_batch_size_per_gpu (one span when
+    unset). Every rank runs as many as the rank that needs the most: under FSDP each forward and backward is
+    collective. A rank with fewer sequences than that runs its first sequence again at weight 0 (no gradient)."""
+    size = s.cfg.actor.ppo_micro_batch_size_per_gpu
+    if size is None:
+        return [(0, n, 1.0)]
+    count = max(s.all_gather(-(-n // size)))
+    ends = np.cumsum([len(p) for p in np.array_split(np.arange(n), min(count, n))]).tolist()
+    return [(a, b, 1.0) for a, b in zip([0] + ends[:-1], ends)] + [(0, 1, 0.0)] * (count - min(count, n))
+
+
+def forward_backward(s: Session, batch: PackedBatch, adv: torch.Tensor, info: dict
+                     ) -> tuple[torch.Tensor, dict, bool]:
+    """Each micro-batch's forward, then its loss's backward (gradients accumulate into the one step); -> the
+    trainer's logprobs [B, L] (detached), the agreement with the engine (token-weighted), and whether every loss was
+    finite on every rank. From a non-finite loss on, the rest run forward only (for the step's metrics) and the
+    gradients are cleared: no rank steps."""
     s.optimizer.zero_grad(set_to_none=True)
-    if not s.all_ranks(bool(torch.isfinite(loss))):  # backward is collective under FSDP: skip on every rank or none
-        return None
-    loss.backward()
+    finite, lps, agreements = True, [], []
+    for a, b, weight in micro_batches(s, len(batch.cu_seqlens) - 1):
+        part = batch.select(a, b)
+        with torch.set_grad_enabled(finite):
+            lp, old_lp, mask, agreement = forward(s, part, adv.shape[1])
+        if finite:
+            loss, _ = loss_of(s, lp, old_lp, adv[a:b], mask, info)
+            finite = s.all_ranks(bool(torch.isfinite(loss)))  # backward is collective under FSDP: all ranks or none
+            if finite:
+                (loss * weight).backward()
+        if weight:
+            lps.append(lp.detach())
+            agreements.append((len(part.input_ids), agreement))
+    if not finite:
+        s.optimizer.zero_grad(set_to_none=True)
+    tokens = sum(t for t, _ in agreements)
+    agreement = {k: sum(t * a[k] for t, a in agreements) / tokens for k in agreements[0][1]}
+    return torch.cat(lps), agreement, finite
+
+
+def update(s: Session) -> float | None:
+    """One optimizer step on the accumulated gradients; None (and no step) when their norm is not finite."""
     grad_norm = torch.nn.utils.clip_grad_norm_(s.params, s.cfg.actor.optim.grad_clip)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     if not s.all_ranks(bool(torch.isfinite(grad_norm))):
@@ -163,11 +205,15 @@ def grpo_step(s: Session, step: int) -> dict:
     scored = score(s, idx, groups)
     t_score = time.perf_counter()
     batch = pack_rollouts(scored.rollouts)
-    lp, old_lp, mask, agreement = forward(s, batch)
-    loss, loss_metrics = loss_of(s, lp, old_lp, advantages(s, scored, mask), mask)
-    metrics = step_metrics(s, scored, loss, loss_metrics, train_rollout_kl(lp.detach(), old_lp, mask), agreement)
+    old_lp, mask = batch.to_matrix(batch.rollout_logprobs)
+    adv = advantages(s, scored, mask)
+    info = batch_info(s, mask)
+    lp, agreement, finite = forward_backward(s, batch, adv, info)
+    with torch.no_grad():  # the step's loss and verl's metrics as logged: the whole batch's (the parts' sum)
+        loss, loss_metrics = loss_of(s, lp, old_lp, adv, mask, info)
+    metrics = step_metrics(s, scored, loss, loss_metrics, train_rollout_kl(lp, old_lp, mask), agreement)
     metrics["samples"] = sample_table(scored, lp, old_lp, mask)  # popped by run(): the W&B table at evals
-    grad_norm = update(s, loss)
+    grad_norm = update(s) if finite else None
     t_train = time.perf_counter()
     if grad_norm is None:  # no update, no sync: the engine keeps the last good adapter
         return {**metrics, "train/skipped_nonfinite": 1.0, "time/step_s": t_train - t0}

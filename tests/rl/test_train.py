@@ -67,6 +67,60 @@ def test_two_step_smoke_run(session):
     assert (Path(summary["final_adapter"]) / "adapter_config.json").is_file()
 
 
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum-norm"])  # the second divides by the padded L
+def test_micro_batches_accumulate_the_whole_batch_gradient(session, agg):
+    """actor.ppo_micro_batch_size_per_gpu: the adapter's gradient, the logprobs and the agreement of micro-batches
+    of 1 and 3 sequences equal the one-pass batch's (fp32 tiny model; only the summation order differs)."""
+    import rl.train as train
+
+    scored = train.score(session, *train.generate(session, 7))
+    batch = train.pack_rollouts(scored.rollouts)
+    _, mask = batch.to_matrix(batch.rollout_logprobs)
+    adv = torch.randn(mask.shape, generator=torch.Generator().manual_seed(0)) * mask  # any advantages: nonzero grads
+    info = train.batch_info(session, mask)
+    keep = session.cfg.actor.ppo_micro_batch_size_per_gpu, session.cfg.algorithm.loss_agg_mode
+    session.cfg.algorithm.loss_agg_mode = agg
+    runs = {}
+    try:
+        for size in (None, 1, 3):
+            session.cfg.actor.ppo_micro_batch_size_per_gpu = size
+            lp, agreement, finite = train.forward_backward(session, batch, adv, info)
+            assert finite
+            runs[size] = [None if p.grad is None else p.grad.clone() for p in session.params], lp, agreement
+    finally:
+        session.cfg.actor.ppo_micro_batch_size_per_gpu, session.cfg.algorithm.loss_agg_mode = keep
+        session.optimizer.zero_grad(set_to_none=True)
+    grads, lp, agreement = runs[None]
+    assert len(batch.cu_seqlens) - 1 == 4
+    assert sum(float(g.abs().sum()) for g in grads if g is not None) > 0
+    for size in (1, 3):
+        assert [g is None for g in runs[size][0]] == [g is None for g in grads]
+        for g, ref in zip(runs[size][0], grads):
+            if ref is not None:
+                torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+        torch.testing.assert_close(runs[size][1], lp, rtol=0, atol=1e-5)
+        assert runs[size][2].keys() == agreement.keys()
+        assert all(abs(runs[size][2][k] - agreement[k]) < 1e-9 for k in agreement)
+
+
+def test_micro_batch_spans_match_the_rank_with_the_most():
+    """Every rank runs as many micro-batches as the rank that needs the most (FSDP's collectives pair them); a rank
+    with fewer sequences repeats its first at weight 0."""
+    from types import SimpleNamespace
+
+    import rl.train as train
+
+    def spans(n, size, others):
+        s = SimpleNamespace(cfg=SimpleNamespace(actor=SimpleNamespace(ppo_micro_batch_size_per_gpu=size)),
+                            all_gather=lambda x: [x, *others])
+        return train.micro_batches(s, n)
+
+    assert spans(5, None, []) == [(0, 5, 1.0)]
+    assert spans(5, 2, [1]) == [(0, 2, 1.0), (2, 4, 1.0), (4, 5, 1.0)]
+    assert spans(4, 4, [3]) == [(0, 2, 1.0), (2, 3, 1.0), (3, 4, 1.0)]  # split evenly into the agreed count
+    assert spans(2, 1, [4]) == [(0, 1, 1.0), (1, 2, 1.0), (0, 1, 0.0), (0, 1, 0.0)]
+
+
 def test_nonfinite_loss_skips_step_without_sync_and_stops_with_checkpoint(session, monkeypatch):
     import rl.train as train
 

@@ -50,6 +50,26 @@ def test_two_process_run_keeps_identical_adapters_on_both_ranks(tmp_path):
         assert r["sync/rank_tp_ranks"] == [[0], [0]]  # two engines, each holding the whole adapter
 
 
+def test_micro_batches_under_fsdp_with_unequal_shares_match_one_pass(tmp_path):
+    """3 prompts over two engine replicas: rank 0 trains on 4 sequences, rank 1 on 2. With one sequence per
+    micro-batch rank 1 runs 2 zero-weight passes so that both ranks' FSDP collectives pair up; the step's gradient
+    norm equals the one-pass run's (same rollouts and advantages: same seeds; random advantages, as the untrained
+    tiny model's rewards are all 0) and both ranks end with the same adapter."""
+    model_dir = ensure_tiny_model(dtype="float32").vllm
+    rows = {}
+    for name, extra in (("one_pass", []), ("micro", ["actor.ppo_micro_batch_size_per_gpu=1"])):
+        p = torchrun(["tests/rl/torchrun_faults.py", "random_advantages", *fast_overrides(tmp_path / name, model_dir,
+                      steps=1), "data.train_batch_size=3", "actor.fsdp_config.shard_base=true", *extra], timeout=600)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        rows[name] = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])
+    one, micro = rows["one_pass"], rows["micro"]
+    assert micro["train/skipped_nonfinite"] == 0.0 and len(set(micro["sync/rank_checksums"])) == 1
+    assert micro["reward/mean"] == one["reward/mean"] and micro["response/length"] == one["response/length"]
+    assert one["train/grad_norm"] > 0
+    assert abs(micro["train/grad_norm"] - one["train/grad_norm"]) <= 1e-4 * one["train/grad_norm"]
+    assert abs(micro["train/loss"] - one["train/loss"]) <= 1e-5 * max(1.0, abs(one["train/loss"]))
+
+
 def test_one_tensor_parallel_engine_over_both_ranks(tmp_path):
     model_dir = ensure_tiny_model(dtype="float32").vllm
     p = torchrun(["-m", "rl.train", *fast_overrides(tmp_path / "run", model_dir),
