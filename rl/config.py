@@ -144,8 +144,12 @@ class ActorCfg:
     ppo_epochs: int = 1
     ppo_mini_batch_size: int | None = None  # None = data.train_batch_size: one optimizer step per batch
     # verl's key: sequences per forward/backward on each GPU, gradients accumulated over them into the one step
-    # (None: the rank's whole share in one pass). Activation memory follows it: rl.sizing and the dry run use it.
+    # (None: the rank's whole share in one pass; ignored with use_dynamic_bsz). Activation memory follows it:
+    # rl.sizing and the dry run use it.
     ppo_micro_batch_size_per_gpu: int | None = None
+    # verl's keys: micro-batches by tokens instead (sequences packed in order up to this many tokens per pass)
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
     # verl's ActorConfig keys and defaults; the clip ratios act with rollout_correction.loss_type=ppo_clip
     clip_ratio: float = 0.2
     clip_ratio_low: float = 0.2
@@ -245,7 +249,8 @@ BOUNDS = {
     "algorithm.rollout_correction.rollout_is_threshold": ("(", 1.0, None),
     "algorithm.rollout_correction.rollout_rs_threshold": ("(", 0.0, None),
     "actor.ppo_epochs": (1, 1), "actor.ppo_mini_batch_size": (1, None),
-    "actor.ppo_micro_batch_size_per_gpu": (1, None), "actor.optim.lr": ("(", 0.0, None),
+    "actor.ppo_micro_batch_size_per_gpu": (1, None), "actor.ppo_max_token_len_per_gpu": (1, None),
+    "actor.optim.lr": ("(", 0.0, None),
     "actor.optim.betas": (0.0, 1.0, ")"), "actor.optim.weight_decay": (0.0, None),
     "actor.optim.grad_clip": ("(", 0.0, None),
     "actor.optim.lr_warmup_steps": (0, None),
@@ -300,6 +305,10 @@ def validate(cfg) -> None:
     if cfg.actor.ppo_epochs != 1 or (mini is not None and mini != cfg.data.train_batch_size):
         raise ValueError("actor.ppo_epochs must be 1 and actor.ppo_mini_batch_size = data.train_batch_size: one "
                          "optimizer step per batch, so the rollout policy is the old policy")
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if cfg.actor.use_dynamic_bsz and cfg.actor.ppo_max_token_len_per_gpu < longest:
+        raise ValueError(f"actor.ppo_max_token_len_per_gpu={cfg.actor.ppo_max_token_len_per_gpu} < "
+                         f"data.max_prompt_length + data.max_response_length = {longest}: a sequence must fit one pass")
     for key in ("data.train_batch_size", "rollout.n", "trainer.total_training_steps", "data.max_response_length"):
         if OmegaConf.select(cfg, key) < 1:
             raise ValueError(f"{key}={OmegaConf.select(cfg, key)}: must be >= 1")

@@ -362,6 +362,7 @@ def setup_from_config(cfg) -> dict:
     share = -(-per_replica // tp) * cfg.rollout.n
     return {"gpus": gpus, "seq_len": cfg.data.max_prompt_length + cfg.data.max_response_length,
             "micro_batch": cfg.actor.ppo_micro_batch_size_per_gpu or share,
+            "tokens_per_gpu": cfg.actor.ppo_max_token_len_per_gpu if cfg.actor.use_dynamic_bsz else None,
             "batch": cfg.data.train_batch_size * cfg.rollout.n, "lora_rank": cfg.model.lora.rank,
             "engine_tp": cfg.rollout.tensor_model_parallel_size, "engine_ep": cfg.rollout.enable_expert_parallel,
             "gpu_mem_util": cfg.rollout.gpu_memory_utilization, "max_num_seqs": cfg.rollout.max_num_seqs,

@@ -7,7 +7,8 @@ Single controller; one step is the stages below, in order:
   advantages GRPO (verl), per group of n
   forward    the trainer's logprobs of the same tokens, replaying the engine's experts (and blocks), then the
              backward of the token-TIS loss with the rollout logprobs as the old logprobs (verl's bypass mode); per
-             micro-batch of actor.ppo_micro_batch_size_per_gpu sequences when set, gradients accumulating
+             micro-batch (actor.ppo_micro_batch_size_per_gpu sequences, or actor.use_dynamic_bsz: up to
+             actor.ppo_max_token_len_per_gpu tokens) when set, gradients accumulating
   update     one optimizer step
   sync       wakes the engine; only the adapter, in memory, to the engine (checksum compared, each TP shard
              verified)
@@ -115,16 +116,33 @@ def loss_of(s: Session, lp, old_lp, adv, mask, info: dict) -> tuple[torch.Tensor
     return policy_loss(lp, old_lp, adv, mask, s.cfg.algorithm, s.cfg.actor, info)
 
 
-def micro_batches(s: Session, n: int) -> list[tuple[int, int, float]]:
-    """This rank's n sequences as (start, end, weight) spans of <= actor.ppo_micro_batch_size_per_gpu (one span when
-    unset). Every rank runs as many as the rank that needs the most: under FSDP each forward and backward is
-    collective. A rank with fewer sequences than that runs its first sequence again at weight 0 (no gradient)."""
-    size = s.cfg.actor.ppo_micro_batch_size_per_gpu
-    if size is None:
+def micro_batches(s: Session, lengths: list[int]) -> list[tuple[int, int, float]]:
+    """This rank's sequences (their token counts) as (start, end, weight) spans, in order: at most
+    actor.ppo_micro_batch_size_per_gpu sequences each, or with actor.use_dynamic_bsz at most
+    actor.ppo_max_token_len_per_gpu tokens each; one span when neither is set. Every rank runs as many spans as the
+    rank that needs the most (under FSDP each forward and backward is collective): a rank with fewer splits its
+    largest span in two until it has as many, and once every span is one sequence runs its first again at weight 0
+    (no gradient)."""
+    actor, n = s.cfg.actor, len(lengths)
+    if actor.use_dynamic_bsz:
+        spans, start, used = [], 0, 0
+        for i, tokens in enumerate(lengths):
+            if i > start and used + tokens > actor.ppo_max_token_len_per_gpu:
+                spans.append((start, i))
+                start, used = i, 0
+            used += tokens
+        spans.append((start, n))
+    elif actor.ppo_micro_batch_size_per_gpu is not None:
+        size = actor.ppo_micro_batch_size_per_gpu
+        spans = [(i, min(i + size, n)) for i in range(0, n, size)]
+    else:
         return [(0, n, 1.0)]
-    count = max(s.all_gather(-(-n // size)))
-    ends = np.cumsum([len(p) for p in np.array_split(np.arange(n), min(count, n))]).tolist()
-    return [(a, b, 1.0) for a, b in zip([0] + ends[:-1], ends)] + [(0, 1, 0.0)] * (count - min(count, n))
+    count = max(s.all_gather(len(spans)))
+    while len(spans) < count and any(b - a > 1 for a, b in spans):
+        i = max((j for j, (a, b) in enumerate(spans) if b - a > 1), key=lambda j: sum(lengths[slice(*spans[j])]))
+        a, b = spans[i]
+        spans[i:i + 1] = [(a, (a + b) // 2), ((a + b) // 2, b)]
+    return [(a, b, 1.0) for a, b in spans] + [(0, 1, 0.0)] * (count - len(spans))
 
 
 def forward_backward(s: Session, batch: PackedBatch, adv: torch.Tensor, info: dict
@@ -135,7 +153,7 @@ def forward_backward(s: Session, batch: PackedBatch, adv: torch.Tensor, info: di
     gradients are cleared: no rank steps."""
     s.optimizer.zero_grad(set_to_none=True)
     finite, lps, agreements = True, [], []
-    for a, b, weight in micro_batches(s, len(batch.cu_seqlens) - 1):
+    for a, b, weight in micro_batches(s, torch.diff(batch.cu_seqlens).tolist()):
         part = batch.select(a, b)
         with torch.set_grad_enabled(finite):
             lp, old_lp, mask, agreement = forward(s, part, adv.shape[1])

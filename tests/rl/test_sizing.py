@@ -165,3 +165,6 @@ def test_recipe_without_micro_batches_is_sized_as_the_trainer_would_run_it(sz, s
     assert out["trainer"]["tokens_per_gpu"] == 64 * 22528 and not out["trainer"]["fits"]
     tiny = sz.setup_from_config(sz.compose_recipe(str(ROOT / "recipes" / "dapo_math_tiny_cpu.yaml")))
     assert tiny["micro_batch"] == 4 * 4  # one GPU, 4 prompts x 4 samples in one pass
+    dynamic = sz.setup_from_config(sz.compose_recipe(str(RECIPE), ["actor.use_dynamic_bsz=true",
+                                                                   "actor.ppo_max_token_len_per_gpu=45056"]))
+    assert sz.size(shape, sz.Setup(**dynamic))["trainer"]["tokens_per_gpu"] == 45056  # by tokens, not sequences

@@ -69,8 +69,9 @@ def test_two_step_smoke_run(session):
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum-norm"])  # the second divides by the padded L
 def test_micro_batches_accumulate_the_whole_batch_gradient(session, agg):
-    """actor.ppo_micro_batch_size_per_gpu: the adapter's gradient, the logprobs and the agreement of micro-batches
-    of 1 and 3 sequences equal the one-pass batch's (fp32 tiny model; only the summation order differs)."""
+    """actor.ppo_micro_batch_size_per_gpu / use_dynamic_bsz: the adapter's gradient, the logprobs and the agreement
+    of micro-batches of 1 and 3 sequences and of <= 110 tokens equal the one-pass batch's (fp32 tiny model; only the
+    summation order differs)."""
     import rl.train as train
 
     scored = train.score(session, *train.generate(session, 7))
@@ -78,22 +79,30 @@ def test_micro_batches_accumulate_the_whole_batch_gradient(session, agg):
     _, mask = batch.to_matrix(batch.rollout_logprobs)
     adv = torch.randn(mask.shape, generator=torch.Generator().manual_seed(0)) * mask  # any advantages: nonzero grads
     info = train.batch_info(session, mask)
-    keep = session.cfg.actor.ppo_micro_batch_size_per_gpu, session.cfg.algorithm.loss_agg_mode
+    actor = session.cfg.actor
+    keys = ("ppo_micro_batch_size_per_gpu", "use_dynamic_bsz", "ppo_max_token_len_per_gpu")
+    keep = [actor[k] for k in keys], session.cfg.algorithm.loss_agg_mode
     session.cfg.algorithm.loss_agg_mode = agg
-    runs = {}
+    runs, parts = {}, {}
     try:
-        for size in (None, 1, 3):
-            session.cfg.actor.ppo_micro_batch_size_per_gpu = size
+        for name, values in (("one", (None, False, 16384)), (1, (1, False, 16384)), (3, (3, False, 16384)),
+                             ("tokens", (None, True, 110))):
+            for k, v in zip(keys, values):
+                actor[k] = v
+            parts[name] = len(train.micro_batches(session, torch.diff(batch.cu_seqlens).tolist()))
             lp, agreement, finite = train.forward_backward(session, batch, adv, info)
             assert finite
-            runs[size] = [None if p.grad is None else p.grad.clone() for p in session.params], lp, agreement
+            runs[name] = [None if p.grad is None else p.grad.clone() for p in session.params], lp, agreement
     finally:
-        session.cfg.actor.ppo_micro_batch_size_per_gpu, session.cfg.algorithm.loss_agg_mode = keep
+        for k, v in zip(keys, keep[0]):
+            actor[k] = v
+        session.cfg.algorithm.loss_agg_mode = keep[1]
         session.optimizer.zero_grad(set_to_none=True)
-    grads, lp, agreement = runs[None]
-    assert len(batch.cu_seqlens) - 1 == 4
+    grads, lp, agreement = runs["one"]
+    assert len(batch.cu_seqlens) - 1 == 4 and int(batch.cu_seqlens[-1]) > 110  # so 110 tokens make >= 2 parts
+    assert parts["one"] == 1 and parts[1] == 4 and parts[3] == 2 and parts["tokens"] >= 2, parts
     assert sum(float(g.abs().sum()) for g in grads if g is not None) > 0
-    for size in (1, 3):
+    for size in (1, 3, "tokens"):
         assert [g is None for g in runs[size][0]] == [g is None for g in grads]
         for g, ref in zip(runs[size][0], grads):
             if ref is not None:
@@ -104,21 +113,27 @@ def test_micro_batches_accumulate_the_whole_batch_gradient(session, agg):
 
 
 def test_micro_batch_spans_match_the_rank_with_the_most():
-    """Every rank runs as many micro-batches as the rank that needs the most (FSDP's collectives pair them); a rank
-    with fewer sequences repeats its first at weight 0."""
+    """Spans of sequences in order, by count or by tokens; every rank runs as many as the rank that needs the most
+    (FSDP's collectives pair them): a rank with fewer splits its largest spans, then repeats its first sequence at
+    weight 0."""
     from types import SimpleNamespace
 
     import rl.train as train
 
-    def spans(n, size, others):
-        s = SimpleNamespace(cfg=SimpleNamespace(actor=SimpleNamespace(ppo_micro_batch_size_per_gpu=size)),
-                            all_gather=lambda x: [x, *others])
-        return train.micro_batches(s, n)
+    def spans(lengths, others, size=None, tokens=None):
+        actor = SimpleNamespace(ppo_micro_batch_size_per_gpu=size, use_dynamic_bsz=tokens is not None,
+                                ppo_max_token_len_per_gpu=tokens)
+        return train.micro_batches(SimpleNamespace(cfg=SimpleNamespace(actor=actor), all_gather=lambda x: [x, *others]),
+                                   lengths)
 
-    assert spans(5, None, []) == [(0, 5, 1.0)]
-    assert spans(5, 2, [1]) == [(0, 2, 1.0), (2, 4, 1.0), (4, 5, 1.0)]
-    assert spans(4, 4, [3]) == [(0, 2, 1.0), (2, 3, 1.0), (3, 4, 1.0)]  # split evenly into the agreed count
-    assert spans(2, 1, [4]) == [(0, 1, 1.0), (1, 2, 1.0), (0, 1, 0.0), (0, 1, 0.0)]
+    assert spans([9] * 5, []) == [(0, 5, 1.0)]
+    assert spans([9] * 5, [1], size=2) == [(0, 2, 1.0), (2, 4, 1.0), (4, 5, 1.0)]
+    assert spans([9] * 4, [3], size=4) == [(0, 1, 1.0), (1, 2, 1.0), (2, 4, 1.0)]  # split to the agreed count
+    assert spans([9] * 2, [4], size=1) == [(0, 1, 1.0), (1, 2, 1.0), (0, 1, 0.0), (0, 1, 0.0)]
+    # by tokens: packed in order up to the budget, a sequence over it alone
+    assert spans([5, 4, 3, 9, 1, 12, 2], [1], tokens=10) == [(0, 2, 1.0), (2, 3, 1.0), (3, 5, 1.0), (5, 6, 1.0),
+                                                             (6, 7, 1.0)]
+    assert spans([5, 4, 3, 1], [3], tokens=10) == [(0, 1, 1.0), (1, 2, 1.0), (2, 4, 1.0)]  # the 9-token span split
 
 
 def test_nonfinite_loss_skips_step_without_sync_and_stops_with_checkpoint(session, monkeypatch):
@@ -163,10 +178,12 @@ def test_unknown_or_mistyped_keys_fail_at_composition(override, message):
     ("model.lora.target_modules=[q_proj,qproj]", r"\['qproj'\] name no projection"),
     ("algorithm.rollout_correction.bypass_mode=false", "bypass_mode=false"),
     ("actor.ppo_mini_batch_size=3", "one optimizer step per batch"),
+    (["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=100"],
+     r"actor.ppo_max_token_len_per_gpu=100 < data.max_prompt_length \+ data.max_response_length = 272"),
 ])
 def test_bad_values_fail_before_any_heavy_work(override, message):
     with pytest.raises(ValueError, match=message):
-        validate(compose_cfg([override]))
+        validate(compose_cfg(override if isinstance(override, list) else [override]))
 
 
 @pytest.mark.parametrize("world,override,message", [
