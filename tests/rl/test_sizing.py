@@ -152,19 +152,20 @@ def test_recipe_has_the_seed_setup_and_is_sized(sz, shape):
     assert out["setup"]["gpus"] == 16 and out["setup"]["lora_rank"] == 32 and out["setup"]["block_size"] == 128
     assert out["trainer"]["fits"] and not out["engine"]["cap_limited_by_trainer"]
     assert out["engine"]["rollout_waves"] == 1  # the recipe's 64 x 16 sequences fit in one wave
-    assert out["setup"]["micro_batch"] == 1 and out["trainer"]["tokens_per_gpu"] == 22528
+    assert out["setup"]["tokens_per_gpu"] == 22528 and out["trainer"]["tokens_per_gpu"] == 22528  # the token budget
 
 
 def test_recipe_without_micro_batches_is_sized_as_the_trainer_would_run_it(sz, shape):
-    """Unset, the trainer forwards a rank's whole share at once (64 x 16 sequences over 16 ranks: 64 each), and
-    the sizing says so instead of assuming one sequence per pass."""
-    cfg = sz.compose_recipe(str(RECIPE), ["actor.ppo_micro_batch_size_per_gpu=null"])
+    """Without micro-batches the trainer forwards a rank's whole share at once (64 x 16 sequences over 16 ranks: 64
+    each), and the sizing says so instead of assuming one sequence per pass."""
+    cfg = sz.compose_recipe(str(RECIPE), ["actor.use_dynamic_bsz=false"])
     setup = sz.setup_from_config(cfg)
-    assert setup["micro_batch"] == 64
+    assert setup["micro_batch"] == 64 and setup["tokens_per_gpu"] is None
     out = sz.size(shape, sz.Setup(**setup))
     assert out["trainer"]["tokens_per_gpu"] == 64 * 22528 and not out["trainer"]["fits"]
-    tiny = sz.setup_from_config(sz.compose_recipe(str(ROOT / "recipes" / "dapo_math_tiny_cpu.yaml")))
+    one = sz.setup_from_config(sz.compose_recipe(str(RECIPE), ["actor.use_dynamic_bsz=false",
+                                                               "actor.ppo_micro_batch_size_per_gpu=1"]))
+    assert sz.size(shape, sz.Setup(**one))["trainer"]["tokens_per_gpu"] == 22528  # by sequences
+    tiny = sz.setup_from_config(sz.compose_recipe(str(ROOT / "recipes" / "dapo_math_tiny_cpu.yaml"),
+                                                  ["actor.use_dynamic_bsz=false"]))
     assert tiny["micro_batch"] == 4 * 4  # one GPU, 4 prompts x 4 samples in one pass
-    dynamic = sz.setup_from_config(sz.compose_recipe(str(RECIPE), ["actor.use_dynamic_bsz=true",
-                                                                   "actor.ppo_max_token_len_per_gpu=45056"]))
-    assert sz.size(shape, sz.Setup(**dynamic))["trainer"]["tokens_per_gpu"] == 45056  # by tokens, not sequences
