@@ -146,14 +146,15 @@ def micro_batches(s: Session, lengths: list[int]) -> list[tuple[int, int, float]
 
 
 def forward_backward(s: Session, batch: PackedBatch, adv: torch.Tensor, info: dict
-                     ) -> tuple[torch.Tensor, dict, bool]:
+                     ) -> tuple[torch.Tensor, dict, bool, int]:
     """Each micro-batch's forward, then its loss's backward (gradients accumulate into the one step); -> the
-    trainer's logprobs [B, L] (detached), the agreement with the engine (token-weighted), and whether every loss was
-    finite on every rank. From a non-finite loss on, the rest run forward only (for the step's metrics) and the
-    gradients are cleared: no rank steps."""
+    trainer's logprobs [B, L] (detached), the agreement with the engine (token-weighted), whether every loss was
+    finite on every rank, and the number of passes. From a non-finite loss on, the rest run forward only (for the
+    step's metrics) and the gradients are cleared: no rank steps."""
     s.optimizer.zero_grad(set_to_none=True)
     finite, lps, agreements = True, [], []
-    for a, b, weight in micro_batches(s, torch.diff(batch.cu_seqlens).tolist()):
+    spans = micro_batches(s, torch.diff(batch.cu_seqlens).tolist())
+    for a, b, weight in spans:
         part = batch.select(a, b)
         with torch.set_grad_enabled(finite):
             lp, old_lp, mask, agreement = forward(s, part, adv.shape[1])
@@ -169,7 +170,7 @@ def forward_backward(s: Session, batch: PackedBatch, adv: torch.Tensor, info: di
         s.optimizer.zero_grad(set_to_none=True)
     tokens = sum(t for t, _ in agreements)
     agreement = {k: sum(t * a[k] for t, a in agreements) / tokens for k in agreements[0][1]}
-    return torch.cat(lps), agreement, finite
+    return torch.cat(lps), agreement, finite, len(spans)
 
 
 def update(s: Session) -> float | None:
@@ -226,10 +227,11 @@ def grpo_step(s: Session, step: int) -> dict:
     old_lp, mask = batch.to_matrix(batch.rollout_logprobs)
     adv = advantages(s, scored, mask)
     info = batch_info(s, mask)
-    lp, agreement, finite = forward_backward(s, batch, adv, info)
+    lp, agreement, finite, passes = forward_backward(s, batch, adv, info)
     with torch.no_grad():  # the step's loss and verl's metrics as logged: the whole batch's (the parts' sum)
         loss, loss_metrics = loss_of(s, lp, old_lp, adv, mask, info)
     metrics = step_metrics(s, scored, loss, loss_metrics, train_rollout_kl(lp, old_lp, mask), agreement)
+    metrics["train/micro_batches"] = passes  # forward/backward passes on each rank (the same on every rank)
     metrics["samples"] = sample_table(scored, lp, old_lp, mask)  # popped by run(): the W&B table at evals
     grad_norm = update(s) if finite else None
     t_train = time.perf_counter()

@@ -58,7 +58,8 @@ def test_two_step_smoke_run(session):
     assert [r["step"] for r in rows] == [1, 2]
     for key in ("reward/mean", "reward/acc", "response/length", "train_rollout/kl_k1", "train_rollout/kl_k3",
                 "is/ratio_mean", "is/ratio_max", "is/capped_frac", "agreement/routing", "train/grad_norm",
-                "sync/ms", "sync/bytes", "time/generate_s", "time/score_s", "time/train_s", "time/sync_s"):
+                "sync/ms", "sync/bytes", "time/generate_s", "time/score_s", "time/train_s", "time/sync_s",
+                "train/micro_batches"):
         assert all(key in r for r in rows), key
     check = summary["check_step0"]
     assert check["passed"] and check["weights_exact"] and check["replayed"] == {"routing": 1.0, "blocks": 1.0}
@@ -90,8 +91,8 @@ def test_micro_batches_accumulate_the_whole_batch_gradient(session, agg):
             for k, v in zip(keys, values):
                 actor[k] = v
             parts[name] = len(train.micro_batches(session, torch.diff(batch.cu_seqlens).tolist()))
-            lp, agreement, finite = train.forward_backward(session, batch, adv, info)
-            assert finite
+            lp, agreement, finite, passes = train.forward_backward(session, batch, adv, info)
+            assert finite and passes == parts[name]
             runs[name] = [None if p.grad is None else p.grad.clone() for p in session.params], lp, agreement
     finally:
         for k, v in zip(keys, keep[0]):

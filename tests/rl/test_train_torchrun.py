@@ -64,6 +64,7 @@ def test_micro_batches_under_fsdp_with_unequal_shares_match_one_pass(tmp_path):
         rows[name] = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])
     one, micro = rows["one_pass"], rows["micro"]
     assert micro["train/skipped_nonfinite"] == 0.0 and len(set(micro["sync/rank_checksums"])) == 1
+    assert (one["train/micro_batches"], micro["train/micro_batches"]) == (1, 4)  # rank 1: 2 of them at weight 0
     assert micro["reward/mean"] == one["reward/mean"] and micro["response/length"] == one["response/length"]
     assert one["train/grad_norm"] > 0
     assert abs(micro["train/grad_norm"] - one["train/grad_norm"]) <= 1e-4 * one["train/grad_norm"]
