@@ -88,18 +88,15 @@ def score(s: Session, idx: list[int], groups: list) -> Scored:
     return out
 
 
-def forward(s: Session, batch: PackedBatch, width: int | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
-    """[B, L] trainer logprobs, rollout logprobs and response mask (L: the longest response, or `width`); the
-    engine's choices replayed as configured; the trainer's own choices' agreement with the engine's."""
+def forward(s: Session, batch: PackedBatch, width: int) -> tuple[torch.Tensor, dict]:
+    """[B, width] trainer logprobs of the response tokens (as `PackedBatch.to_matrix` lays them out), the engine's
+    choices replayed as configured; the trainer's own choices' agreement with the engine's."""
     replay = {"routing": s.cfg.actor.routing_replay, "blocks": s.cfg.actor.block_replay}
     stats = ForwardStats(keep_choices=not all(replay.values()))  # own choices kept only where not replayed
     logprobs = s.model.token_logprobs(batch.input_ids, batch.cu_seqlens, batch.targets, stats=stats,
                                       routing=batch.routing if replay["routing"] else None,
                                       blocks=batch.blocks if replay["blocks"] else None)
-    lp, mask = batch.to_matrix(logprobs, width)
-    old_lp, _ = batch.to_matrix(batch.rollout_logprobs, width)
-    return lp, old_lp, mask, engine_agreement(s.model, stats, batch, replay)
+    return batch.to_matrix(logprobs, width)[0], engine_agreement(s.model, stats, batch, replay)
 
 
 def advantages(s: Session, scored: Scored, mask: torch.Tensor) -> torch.Tensor:
@@ -145,21 +142,22 @@ def micro_batches(s: Session, lengths: list[int]) -> list[tuple[int, int, float]
     return [(a, b, 1.0) for a, b in spans] + [(0, 1, 0.0)] * (count - len(spans))
 
 
-def forward_backward(s: Session, batch: PackedBatch, adv: torch.Tensor, info: dict
-                     ) -> tuple[torch.Tensor, dict, bool, int]:
-    """Each micro-batch's forward, then its loss's backward (gradients accumulate into the one step); -> the
-    trainer's logprobs [B, L] (detached), the agreement with the engine (token-weighted), whether every loss was
-    finite on every rank, and the number of passes. From a non-finite loss on, the rest run forward only (for the
-    step's metrics) and the gradients are cleared: no rank steps."""
+def forward_backward(s: Session, batch: PackedBatch, old_lp: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor,
+                     info: dict) -> tuple[torch.Tensor, dict, bool, int]:
+    """Each micro-batch's forward, then its loss's backward (gradients accumulate into the one step); old_lp, mask
+    and adv: the whole batch's [B, L] matrices, sliced per micro-batch. -> the trainer's logprobs [B, L] (detached),
+    the agreement with the engine (token-weighted), whether every loss was finite on every rank, and the number of
+    passes. From a non-finite loss on, the rest run forward only (for the step's metrics) and the gradients are
+    cleared: no rank steps."""
     s.optimizer.zero_grad(set_to_none=True)
     finite, lps, agreements = True, [], []
     spans = micro_batches(s, torch.diff(batch.cu_seqlens).tolist())
     for a, b, weight in spans:
         part = batch.select(a, b)
         with torch.set_grad_enabled(finite):
-            lp, old_lp, mask, agreement = forward(s, part, adv.shape[1])
+            lp, agreement = forward(s, part, adv.shape[1])
         if finite:
-            loss, _ = loss_of(s, lp, old_lp, adv[a:b], mask, info)
+            loss, _ = loss_of(s, lp, old_lp[a:b], adv[a:b], mask[a:b], info)
             finite = s.all_ranks(bool(torch.isfinite(loss)))  # backward is collective under FSDP: all ranks or none
             if finite:
                 (loss * weight).backward()
@@ -227,7 +225,7 @@ def grpo_step(s: Session, step: int) -> dict:
     old_lp, mask = batch.to_matrix(batch.rollout_logprobs)
     adv = advantages(s, scored, mask)
     info = batch_info(s, mask)
-    lp, agreement, finite, passes = forward_backward(s, batch, adv, info)
+    lp, agreement, finite, passes = forward_backward(s, batch, old_lp, mask, adv, info)
     with torch.no_grad():  # the step's loss and verl's metrics as logged: the whole batch's (the parts' sum)
         loss, loss_metrics = loss_of(s, lp, old_lp, adv, mask, info)
     metrics = step_metrics(s, scored, loss, loss_metrics, train_rollout_kl(lp, old_lp, mask), agreement)

@@ -77,7 +77,7 @@ def test_micro_batches_accumulate_the_whole_batch_gradient(session, agg):
 
     scored = train.score(session, *train.generate(session, 7))
     batch = train.pack_rollouts(scored.rollouts)
-    _, mask = batch.to_matrix(batch.rollout_logprobs)
+    old_lp, mask = batch.to_matrix(batch.rollout_logprobs)
     adv = torch.randn(mask.shape, generator=torch.Generator().manual_seed(0)) * mask  # any advantages: nonzero grads
     info = train.batch_info(session, mask)
     actor = session.cfg.actor
@@ -91,7 +91,7 @@ def test_micro_batches_accumulate_the_whole_batch_gradient(session, agg):
             for k, v in zip(keys, values):
                 actor[k] = v
             parts[name] = len(train.micro_batches(session, torch.diff(batch.cu_seqlens).tolist()))
-            lp, agreement, finite, passes = train.forward_backward(session, batch, adv, info)
+            lp, agreement, finite, passes = train.forward_backward(session, batch, old_lp, mask, adv, info)
             assert finite and passes == parts[name]
             runs[name] = [None if p.grad is None else p.grad.clone() for p in session.params], lp, agreement
     finally:
