@@ -61,11 +61,10 @@ from rl.model import msa  # noqa: E402
 # 2.94 ms single, 2.32 vs 2.39 back to back; _reduce_dkdv 0.024 vs 0.069 ms at 4K, 0.19 vs 0.29 at 32K.
 # Launch order "key" (then no second sort of the plan) against the default "token" (run91): fwd+bwd 2.98 vs 2.80 ms
 # at 4K (back to back 2.44 vs 2.30), 21.37 vs 21.18 at 32K; kept "token", the plan now sorts it in its own kernel.
-# Next: the dense prefix through SDPA (FlashAttention), queued before the plan so that it runs under the plan's host
-# work (a 4K call's latency), against the kernels taking those tokens (run12 sweep, older kernels: 5.5 vs 5.1 ms at
-# 4K, 34.9 vs 33.6 at 32K).
-SWEEP_FWD = [dict(), dict(dense_prefix_min=1)]
-SWEEP_BWD = [dict(), dict(dense_prefix_min=1)]
+# The dense prefix through SDPA queued before the plan (run96): fwd+bwd 3.00 vs 2.68 ms at 4K, 22.55 vs 21.42 at 32K.
+# Next: short calls' plans replayed from a CUDA graph per batch layout (the default) against their launches.
+SWEEP_FWD = [dict(), dict(plan_graphs=False)]
+SWEEP_BWD = [dict(), dict(plan_graphs=False)]
 
 
 def parse_args():

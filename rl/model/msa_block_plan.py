@@ -8,12 +8,15 @@ empty and launched last. On CUDA two small Triton kernels build the tables aroun
 sorting short calls' items into their launch order (KERNEL_SORT_MAX); without Triton (CPU) torch ops build the same
 tables (`_plan_torch`; the interpreter tests compare the two). Host work is what a 4K-token call waits on before its
 first heavy kernel (results/gpu/run92-93, scripts/gpu/msa_host_probe.py: ~15-35 us per Triton launch, ~45-65 us per
-torch.sort, ~300 us for a plan of three launches and two sorts), hence two launches and one sort there.
+torch.sort, ~300 us for a plan of three launches and two sorts), hence two launches and one sort there, and for short
+calls (GRAPH_MAX_ENTRIES) from a batch layout's second call on one CUDA graph of them (`_PlanGraph`): the ids copied
+in, one replay, the tables cloned out.
 """
 
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +70,8 @@ class Config:
     # per-entry partials scale with the tokens of a call (~0.26 MB per token for M3); 16K-token calls run at the
     # 64K-token rate per token (run14c: 14.0 vs 55.9 ms fwd+bwd per 16K / 64K).
     group_tokens: int = 16384
+    # Short calls' plans from a CUDA graph per batch layout (build_plan, GRAPH_MAX_ENTRIES); False: always launched
+    plan_graphs: bool = True
     order: str = "token"  # launch order of work items: "size" (largest first), "token" (by first token: programs
     # running together read the same tokens' q/dO, which may then come from L2) or "key" (the item tables' own
     # (KV head, key block) order; run91, when it saved a torch.sort: fwd+bwd 2.98 vs 2.80 ms at 4K, 21.37 vs 21.18 at
@@ -154,16 +159,15 @@ def _device_tables(bounds: tuple, t_count: int, topk: int, dense_prefix_min: int
     return seq_d, len(seq), kstart_d, kend_d, prefixes, nkb, dense_row, dense_idx
 
 
-def _layout_tables(block_ids: torch.Tensor, cu_seqlens, config: Config):
+def _layout_tables(block_ids: torch.Tensor, bounds: tuple, config: Config):
     """`_device_tables` of this call's batch layout (cached: the same for every layer of a step)."""
-    return _device_tables(tuple(seq_bounds(cu_seqlens)), block_ids.shape[0], block_ids.shape[2],
-                          config.dense_prefix_min, block_ids.device)
+    return _device_tables(bounds, block_ids.shape[0], block_ids.shape[2], config.dense_prefix_min, block_ids.device)
 
 
 def dense_prefixes(block_ids: torch.Tensor, cu_seqlens, config: Config = DEFAULT) -> tuple[list, torch.Tensor]:
     """`Plan.prefixes` and `Plan.dense_idx` of `build_plan` (the same cached tables), without the plan's kernels:
     the dense prefixes' SDPA can be queued before the plan's host work."""
-    _, _, _, _, prefixes, _, _, dense_idx = _layout_tables(block_ids, cu_seqlens, config)
+    _, _, _, _, prefixes, _, _, dense_idx = _layout_tables(block_ids, tuple(seq_bounds(cu_seqlens)), config)
     return prefixes, dense_idx
 
 
@@ -171,16 +175,20 @@ def build_plan(block_ids: torch.Tensor, cu_seqlens, config: Config = DEFAULT) ->
     """The inverted lists, with no device->host sync (the plan is built inside every attention call; a sync there
     drains the launch queue of the whole layer): host tables in Python, copied in one transfer once per batch layout
     (`_device_tables`); then, with Triton, two kernels around one stable sort of the entries (`_plan_keys`,
-    `_plan_index`, which also sorts the items into their launch order), and without Triton (CPU) the same tables from
-    torch ops (`_plan_torch`)."""
+    `_plan_index`, which also sorts the items into their launch order), replayed from a CUDA graph for short calls
+    (`_plan_graphed`), and without Triton (CPU) the same tables from torch ops (`_plan_torch`)."""
     t_count, hkv, topk = block_ids.shape
-    seq_d, nseq, kstart_d, kend_d, prefixes, nkb, dense_row, dense_idx = _layout_tables(block_ids, cu_seqlens, config)
+    bounds = tuple(seq_bounds(cu_seqlens))
+    seq_d, nseq, kstart_d, kend_d, prefixes, nkb, dense_row, dense_idx = _layout_tables(block_ids, bounds, config)
     ne = t_count * hkv * topk
     n_max = hkv * nkb + -(-ne // config.item_tokens)  # each key adds < 1 item to its share of ceil(NE / item_tokens)
-    if triton is not None:
-        tables = _plan_triton(block_ids, seq_d, nseq, nkb, n_max, config)
+    args = (block_ids, seq_d, nseq, nkb, n_max, config)
+    if triton is None:
+        tables = _plan_torch(*args)
     else:
-        tables = _plan_torch(block_ids, seq_d, nseq, nkb, n_max, config)
+        graphed = (config.plan_graphs and block_ids.is_cuda and 0 < ne <= GRAPH_MAX_ENTRIES
+                   and not torch.cuda.is_current_stream_capturing())  # (inside a caller's capture: launched)
+        tables = _split_tables(_plan_graphed(bounds, *args) if graphed else _plan_launches(*args), *args)
     gid, pos, entries, item_key, lo, hi, order, key_item0 = tables
     return Plan(entries, item_key, lo, hi, order, key_item0, kstart_d, kend_d, gid, pos, dense_row, dense_idx,
                 prefixes, nkb, n_max)
@@ -217,33 +225,127 @@ def _plan_torch(block_ids, seq_d, nseq, nkb, n_max, config):
 
 
 def _plan_triton(block_ids, seq_d, nseq, nkb, n_max, config):
-    """`build_plan`'s device tables: `_plan_keys` (slot -> global block and sort key), a stable sort of the keys, and
-    `_plan_index` (the sorted entries and each slot's position; in one more program the item rows by binary search
-    and, up to KERNEL_SORT_MAX rows, their launch order)."""
+    """`build_plan`'s device tables from the plan's launches (`_plan_launches`), as `_plan_torch` returns them."""
+    return _split_tables(_plan_launches(block_ids, seq_d, nseq, nkb, n_max, config), block_ids, seq_d, nseq, nkb,
+                         n_max, config)
+
+
+def _plan_launches(block_ids, seq_d, nseq, nkb, n_max, config) -> torch.Tensor:
+    """`_plan_keys` (slot -> global block and sort key), a stable sort of the keys and `_plan_index` (the sorted
+    entries and each slot's position; in one more program the item rows by binary search and, up to KERNEL_SORT_MAX
+    rows, their launch order): every table in one int32 buffer (`_split_tables` names its parts)."""
     device = block_ids.device
     t_count, hkv, topk = block_ids.shape
     ne = t_count * hkv * topk
-    gid = torch.empty(t_count, hkv, topk, dtype=torch.int32, device=device)
+    # int32 entries (int64 ones cost the backward kernel register spills), each slot's block and sorted position and
+    # the item tables: one allocation (one clone out of a graph's buffers)
+    tabs = torch.empty(3 * ne + 5 * n_max + hkv * nkb + 1, dtype=torch.int32, device=device)
+    gid, entries, pos, item_key, lo, hi, okey, order, key_item0 = _parts(tabs, ne, n_max, hkv * nkb)
     # int16 sort keys where they fit (keys <= Hkv*NKB): a radix sort of 2 bytes, half the passes of int32's
     key = torch.empty(ne, dtype=torch.int16 if hkv * nkb < 2 ** 15 else torch.int32, device=device)
     if ne:
         _plan_keys[(triton.cdiv(ne, 1024),)](block_ids, seq_d, gid, key, ne, nseq, nkb, *block_ids.stride(),
                                              HKV=hkv, TOPK=topk, BE=1024)
     key, idx = torch.sort(key, stable=True)  # by token inside a key
-    # int32 entries (int64 ones cost the backward kernel register spills), each slot's sorted position and the item
-    # tables: one allocation
-    tabs = torch.empty(2 * ne + 5 * n_max + hkv * nkb + 1, dtype=torch.int32, device=device)
-    entries, pos, item_key, lo, hi, okey, order, key_item0 = tabs.split([ne] * 2 + [n_max] * 5 + [hkv * nkb + 1])
-    sort_np = triton.next_power_of_2(n_max) if config.order != "key" and n_max <= KERNEL_SORT_MAX else 0
+    sort_np = _kernel_sort_rows(n_max, config)
     _plan_index[(triton.cdiv(ne, 1024) + 1,)](
         key, idx, entries, pos, key_item0, item_key, lo, hi, okey, order, ne, max(ne, 1).bit_length(), hkv * nkb,
         n_max, config.item_tokens, HKVTOPK=hkv * topk, SIZE_ORDER=config.order == "size", NP=sort_np, BE=1024,
         CH=1024)
+    if config.order != "key" and not sort_np:
+        order.copy_(torch.sort(okey, stable=True).indices)
+    return tabs
+
+
+def _kernel_sort_rows(n_max: int, config: Config) -> int:
+    """The power of two of item rows `_plan_index` sorts into their launch order itself; 0: torch.sort does, or
+    (Config.order "key") nothing does."""
+    return triton.next_power_of_2(n_max) if config.order != "key" and n_max <= KERNEL_SORT_MAX else 0
+
+
+def _parts(tabs: torch.Tensor, ne: int, n_max: int, nk: int) -> list:
+    """gid, entries, pos, item_key, lo, hi, okey, order, key_item0: views of `_plan_launches`' buffer."""
+    return tabs.split([ne] * 3 + [n_max] * 5 + [nk + 1])
+
+
+def _split_tables(tabs, block_ids, seq_d, nseq, nkb, n_max, config):
+    """`_plan_launches`' buffer as `_plan_torch`'s tables (order "key": the rows as they are)."""
+    t_count, hkv, topk = block_ids.shape
+    gid, entries, pos, item_key, lo, hi, _, order, key_item0 = _parts(tabs, t_count * hkv * topk, n_max, hkv * nkb)
     if config.order == "key":
-        order = _rows(n_max, device)
-    elif not sort_np:
-        order = torch.sort(okey, stable=True).indices.to(torch.int32)
-    return gid, pos.view(gid.shape), entries, item_key, lo, hi, order, key_item0
+        order = _rows(n_max, tabs.device)
+    return gid.view(block_ids.shape), pos.view(block_ids.shape), entries, item_key, lo, hi, order, key_item0
+
+
+# Calls of at most this many entries (8K tokens of M3: 64 per token) take their plan from a CUDA graph of
+# `_plan_launches`, one per batch layout, from the layout's second call on: the ids copied in, one replay and one clone
+# out cost ~3 launches of host time instead of ~2 launches and a sort (and the cold Python around them), which is what
+# a short call waits on before its first kernel. Longer calls' kernels hide the plan's host time (32K: 20 ms of
+# kernels), and each graph keeps its buffers (~1 MB per 32K entries).
+GRAPH_MAX_ENTRIES = 2 ** 19
+GRAPH_LAYOUTS = 4  # layouts remembered (seen once, or with a graph), least recently used dropped
+
+
+@dataclass
+class _PlanGraph:
+    graph: "torch.cuda.CUDAGraph"
+    ids: torch.Tensor  # its input: each call's block_ids are copied in
+    tabs: torch.Tensor  # its output, rewritten by every replay: cloned out (a plan lives until its backward)
+    seq_d: torch.Tensor  # read by the graph: kept alive with it
+
+
+_GRAPHS: OrderedDict = OrderedDict()  # layout key -> _PlanGraph, or None after the layout's first call
+
+
+def _plan_graphed(bounds: tuple, block_ids, seq_d, nseq, nkb, n_max, config) -> torch.Tensor:
+    """`_plan_launches`' buffer: launched on a layout's first call (a one-off layout pays no capture), launched on a
+    buffer of the graph's own and captured on its second, replayed from its third."""
+    args = (seq_d, nseq, nkb, n_max, config)
+    key = (bounds, block_ids.shape, block_ids.dtype, block_ids.device, n_max, config.item_tokens, config.order,
+           config.dense_prefix_min, _kernel_sort_rows(n_max, config))
+    if key not in _GRAPHS:
+        _remember(key, None)
+        return _plan_launches(block_ids, *args)
+    _GRAPHS.move_to_end(key)
+    entry = _GRAPHS[key]
+    if entry is None:
+        ids = torch.empty(block_ids.shape, dtype=block_ids.dtype, device=block_ids.device)
+        ids.copy_(block_ids)
+        tabs = _plan_launches(ids, *args)  # compiles any specialization the static buffer needs, before the capture
+        graph, out = _capture(lambda: _plan_launches(ids, *args), block_ids.device)
+        _remember(key, _PlanGraph(graph, ids, out, seq_d))
+        return tabs
+    entry.ids.copy_(block_ids)
+    entry.graph.replay()
+    return entry.tabs.clone()
+
+
+def _remember(key, value) -> None:
+    _GRAPHS[key] = value
+    while len(_GRAPHS) > GRAPH_LAYOUTS:
+        _GRAPHS.popitem(last=False)
+
+
+def _capture(fn, device: torch.device):
+    """(graph, fn()'s result) with fn()'s launches captured, not run: on a side stream (capture needs one), this
+    thread's capture only (the autograd engine's thread may run it, other threads keep allocating), without the
+    synchronize / empty_cache of `torch.cuda.graph` (which would return the caching allocator's blocks mid-step)."""
+    stream = _side_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            out = fn()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    return graph, out
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    return torch.cuda.Stream(device=device)
 
 
 @functools.lru_cache(maxsize=16)

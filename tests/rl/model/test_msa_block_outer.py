@@ -251,3 +251,30 @@ def test_block_outer_matches_reference_gpu(case):
     print(case, lines)
     for name, rel_max, rel_norm in lines:
         assert rel_max <= 2 ** -6 and rel_norm <= 5e-3, (case, name, rel_max, rel_norm)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [[4096], [1000, 3000, 96, 2100]])
+def test_plan_from_cuda_graph_matches_launches_gpu(lengths):
+    """A short call's plan: launched on a batch layout's first call, launched and captured on its second, replayed
+    from its third. Each call's tables equal the launches' on its own ids, and a plan kept from an earlier call is not
+    changed by later replays (the graph's output buffer is cloned out)."""
+    from rl.model import msa_block_plan as mbp
+    from rl.model.packed import seq_bounds
+
+    mbp._GRAPHS.clear()
+    names = ("slot_gid", "slot_pos", "entries", "item_key", "lo", "hi", "order", "key_item0")
+    plans, want = [], []
+    for seed in range(5):
+        cu, ids, *_ = _inputs(lengths, 4, 4, 16, 16, 0, 1, seed=20 + seed, device="cuda", index_dim=128)
+        plans.append(mbp.build_plan(ids, cu))
+        seq, _, _, _, nkb = mbp._host_tables(seq_bounds(cu), 16, 0)
+        seq_d = torch.tensor([x for row in seq for x in row], dtype=torch.int32, device="cuda")
+        want.append(mbp._plan_triton(ids, seq_d, len(seq), nkb, plans[-1].n_max, mbp.DEFAULT))
+    graphs = [g for g in mbp._GRAPHS.values() if g is not None]
+    assert len(graphs) == 1 and isinstance(graphs[0], mbp._PlanGraph)  # the layout's calls 3-5 were replays
+    for i, (plan, tables) in enumerate(zip(plans, want)):
+        for name, got, ref in zip(names, (plan.slot_gid, plan.slot_pos, plan.entries, plan.item_key, plan.item_lo,
+                                          plan.item_hi, plan.order, plan.key_item0), tables):
+            assert got.dtype == ref.dtype and torch.equal(got, ref), (lengths, i, name)
+    assert not torch.equal(plans[2].entries, plans[4].entries)  # the calls' ids differ: an alias would show
