@@ -407,7 +407,7 @@ class _BlockOuter(torch.autograd.Function):
         o = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         for (s, e, plan), dense_out in zip(groups, dense):
-            _forward(q[s:e], k[s:e], v[s:e], dense_out, plan, scale, config, o[s:e], lse[s:e])
+            _forward(*_spans((q, k, v), s, e), dense_out, plan, scale, config, *_spans((o, lse), s, e))
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.groups, ctx.scale, ctx.config = groups, scale, config
         ctx.has_dense = [d is not None for d in dense]
@@ -420,10 +420,16 @@ class _BlockOuter(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         d_dense = []
         for (s, e, plan), has_dense in zip(ctx.groups, ctx.has_dense):
-            _backward(q[s:e], k[s:e], v[s:e], o[s:e], lse[s:e], do[s:e], plan, ctx.scale, ctx.config, dq[s:e],
-                      dk[s:e], dv[s:e])
-            d_dense.append(_dense_rows(do[s:e], plan.prefixes, plan.dense_idx) if has_dense else None)
+            q_, k_, v_, o_, lse_, do_, dq_, dk_, dv_ = _spans((q, k, v, o, lse, do, dq, dk, dv), s, e)
+            _backward(q_, k_, v_, o_, lse_, do_, plan, ctx.scale, ctx.config, dq_, dk_, dv_)
+            d_dense.append(_dense_rows(do_, plan.prefixes, plan.dense_idx) if has_dense else None)
         return dq, dk, dv, None, None, None, *d_dense
+
+
+def _spans(tensors, s: int, e: int) -> list:
+    """Rows [s, e) of each tensor: the tensors themselves for a call's only group (a slice is a few microseconds of
+    host time each, and a short call waits on the host before its first kernel)."""
+    return list(tensors) if s == 0 and e == tensors[0].shape[0] else [x[s:e] for x in tensors]
 
 
 def _dense_rows(x, prefixes: list, dense_idx: torch.Tensor) -> torch.Tensor:
@@ -446,9 +452,7 @@ def _causal_sdpa(q, k, v, spans, scale: float):
 
 
 def _dense_prefix(q, k, v, prefixes: list, dense_idx: torch.Tensor, scale: float):
-    """The dense prefixes' attention (`Plan.prefixes`), rows in `Plan.dense_idx` order."""
-    if not prefixes:
-        return None
+    """The dense prefixes' attention (`Plan.prefixes`, at least one), rows in `Plan.dense_idx` order."""
     qp, kp, vp = (_dense_rows(x, prefixes, dense_idx) for x in (q, k, v))
     offsets = torch.tensor([0] + [n for _, n in prefixes]).cumsum(0).tolist()
     return _causal_sdpa(qp, kp, vp, [(o, n) for o, (_, n) in zip(offsets, prefixes)], scale)
@@ -466,7 +470,9 @@ def sparse_attention(q, k, v, block_ids, cu_seqlens, scale: float, config: Confi
     config = _kernels(q, k, config)
     groups, dense = [], []
     for s, e, group_cu in sequence_group_spans(bounds, config.group_tokens):
+        ids = _spans((block_ids,), s, e)[0]
         # the prefix's SDPA first: the GPU runs it while the host builds the plan (a short call's latency)
-        dense.append(_dense_prefix(q[s:e], k[s:e], v[s:e], *dense_prefixes(block_ids[s:e], group_cu, config), scale))
-        groups.append((s, e, build_plan(block_ids[s:e], group_cu, config)))
+        prefixes, dense_idx = dense_prefixes(ids, group_cu, config)
+        dense.append(_dense_prefix(*_spans((q, k, v), s, e), prefixes, dense_idx, scale) if prefixes else None)
+        groups.append((s, e, build_plan(ids, group_cu, config)))
     return _BlockOuter.apply(q, k, v, groups, scale, config, *dense)
