@@ -6,6 +6,7 @@ holds, once per process. Tests in tests/rollout/test_plugin_patches.py check eac
 
 import contextlib
 import importlib.util
+import os
 
 import torch
 
@@ -206,6 +207,26 @@ def _patch_engine_death_wakes_waiters() -> None:
     SyncMPClient.shutdown = shutdown_waking_waiters
 
 
+# --- CPU tensor parallelism: vLLM names a TP group's shared-memory segments after the port of its init method, but
+# the external launcher's init method is "env://" (the name starts "//-"), so every colocated TP engine on a host gets
+# the same name: a second job beside the first fails (`create shm in SHMManager failed. errno: 17`; seen when two test
+# files ran TP engines at once) or, by timing, opens the first job's segment. Named here after the job: its rendezvous
+# port and its launcher's pid (the parent of a host's ranks: they agree; a restarted job does not meet a killed one's
+# leftover segment). Ranks whose names differ get vLLM's gloo fallback, not shared memory.
+def _patch_cpu_shm_group_name() -> None:
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+    make = _CPUSHMDistributed.make_group_name
+
+    def make_group_name(communicator) -> str:
+        name = make(communicator)
+        if os.environ.get("VLLM_DIST_IDENT") != "//":  # a tcp:// or file:// init method: already the job's own
+            return name
+        return f"{os.environ.get('MASTER_PORT', 'env')}.{os.getppid()}{name[2:]}"  # no "/" past the first character
+
+    _CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
+
+
 PATCHES: tuple[Patch, ...] = (
     M3_IMPORTABLE,
     Patch("gemma_rmsnorm", ("0.32.0",), lambda: importlib.util.find_spec("flashinfer") is None, _patch_gemma_norm),
@@ -219,6 +240,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch("cpu_quantized_nvfp4_mxfp8", ("0.32.0",), _is_cpu, _patch_cpu_quantized),
     Patch("cpu_punica_grouped_lora", ("0.32.0",), _is_cpu, _patch_cpu_punica_ops),
     Patch("engine_death_wakes_waiters", ("0.32.0", "0.33.0"), lambda: True, _patch_engine_death_wakes_waiters),
+    Patch("cpu_shm_group_per_job", ("0.32.0",), _is_cpu, _patch_cpu_shm_group_name),
 )
 
 

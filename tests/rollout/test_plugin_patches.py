@@ -37,6 +37,27 @@ def test_patches_are_in_effect():
     assert SyncMPClient.shutdown.__module__ == "rollout.plugin.patches"  # engine_death_wakes_waiters
 
 
+def test_cpu_tp_shared_memory_is_named_per_job(monkeypatch):
+    """Two torchrun jobs with external-launcher engines (init method env://) on one host: their TP groups' shared
+    memory names differ (vLLM's own name is the same for both) and hold no "/" past the first character (shm_open);
+    a tcp:// job keeps vLLM's name."""
+    import os
+    from types import SimpleNamespace
+
+    rollout.plugin.register()
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+    tp = SimpleNamespace(unique_name="tp:0", ranks=[0, 1])
+    monkeypatch.setenv("VLLM_DIST_IDENT", "//")
+    names = []
+    for port in ("29500", "29501"):
+        monkeypatch.setenv("MASTER_PORT", port)
+        names.append(_CPUSHMDistributed.make_group_name(tp))
+    assert names == [f"{port}.{os.getppid()}-tp:0-[0-1]-cpushm" for port in ("29500", "29501")]
+    monkeypatch.setenv("VLLM_DIST_IDENT", "41234")
+    assert _CPUSHMDistributed.make_group_name(tp) == "41234-tp:0-[0-1]-cpushm"
+
+
 def test_torchvision_stub_is_not_visible_to_transformers():
     rollout.plugin.register()
     import sys
