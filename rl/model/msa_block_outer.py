@@ -3,11 +3,11 @@
 Same contract as `rl.model.msa.sparse_attention` (q [T, Hq, D], k/v [T, Hkv, D], block_ids [T, Hkv, topk] per-sequence
 128-token blocks, -1 = empty, causal inside each packed sequence; validated ids expected).
 
-Why block-outer: the per-token kernels (rl.model.msa_triton) fill 16-row tiles (one token x 16 query heads), a quarter of
-a Hopper MMA tile, and add dK/dV atomically. Here the per-token top-k is inverted: every (sparse token, KV head, slot)
-selection is an *entry*; entries are grouped by (KV head, key block) (one stable sort) and each group is cut into
-*items* of at most `item_tokens` tokens. A program loads one item's K/V block once and walks its entries TM tokens at
-a time, i.e. tiles of TM x G rows (G = Hq/Hkv query heads of a token share the KV head's selection), so the MMAs are
+Why block-outer: the per-token kernels (rl.model.msa_triton) fill 16-row tiles (one token x 16 query heads), a quarter
+of a Hopper MMA tile, and add dK/dV atomically. Here the per-token top-k is inverted: every (sparse token, KV head,
+slot) selection is an *entry*; entries are grouped by (KV head, key block) (one stable sort) and each group is cut into
+*items* of at most `item_tokens` tokens. A program loads one item's K/V block once and walks its entries TM tokens at a
+time, i.e. tiles of TM x G rows (G = Hq/Hkv query heads of a token share the KV head's selection), so the MMAs are
 64/128 rows tall and never visit a block the token did not select.
 - forward: per tile, softmax over this block alone; writes the normalised partial output and its log-sum-exp per
   (entry, query head), in sorted-entry order (a tile's rows are contiguous); `_merge` combines each row's <= topk
@@ -27,18 +27,17 @@ The plan (`build_plan`) never waits for the device: the grid is a host-computed 
 tail of the item tables is empty rows, launched last, whose programs do no work.
 
 Measured on one H200 (results/gpu/run81-83, issue18_targets.json; 64 q / 4 KV heads, d 128, top-16, bf16): fwd 7.5-8.1
-ms, fwd+bwd 21.0-21.6 ms at 32K tokens (21.0-21.9 per call back to back, as between a model's layers; per-token
-kernels 99 ms, dense causal SDPA 113 ms), 41.8-43.8 ms at 64K (SDPA 449 ms); faster than SDPA from 8K tokens (single
-sequence); at 4K 2.52-2.54 vs SDPA's 2.22-2.31 ms in a single call (host work before the first attention kernel: the
-plan's two launches and sort, the forward's descriptors and launch; the kernels alone, from CUDA graphs, 2.11-2.14,
-run88-89) and 2.25-2.27 vs 2.28-2.30 back to back (run94). On Hopper the forward and backward are the warp-specialized Gluon
-kernels of rl.model.msa_block_outer_gluon_ws (4.6 and 9.4 ms at 32K; the unspecialized `_fwd_gluon` / `_bwd_gluon` of
-rl.model.msa_block_outer_gluon and this file's Triton `_fwd` / `_bwd` run where those tiles do not fit, and on request,
-Config.fwd_kernel / bwd_kernel); the merge and dQ sum 4.5 ms (at bandwidth: the cost of the partials; the merge's two
-passes 2.34 vs 2.48 ms for the online form, results/gpu/run74), the plan 0.2 ms of GPU time. Measured and not kept:
-the forward's adjacent selected blocks as one 256-key entry (fewer partials, but a second plan for the backward and no
-faster forward kernels; results/gpu/run73/pairs_not_kept.patch).
-"""
+ms, fwd+bwd 21.0-21.6 ms at 32K tokens (21.0-21.9 per call back to back, as between a model's layers; per-token kernels
+99 ms, dense causal SDPA 113 ms), 41.8-43.8 ms at 64K (SDPA 449 ms); faster than SDPA from 8K tokens (single sequence);
+at 4K 2.56-2.61 vs SDPA's 2.29-2.32 ms in a single call (host work before the first attention kernel: the plan's graph
+replay, the forward's descriptors and launch; the kernels alone 2.11 ms, run102; without the plan graph 2.78-2.81 in the
+same process, run100-101) and 2.24-2.26 vs 2.28-2.29 back to back (run101-102). On Hopper the forward and backward are
+the warp-specialized Gluon kernels of rl.model.msa_block_outer_gluon_ws (4.6 and 9.4 ms at 32K; the unspecialized
+`_fwd_gluon` / `_bwd_gluon` of rl.model.msa_block_outer_gluon and this file's Triton `_fwd` / `_bwd` run where those
+tiles do not fit, and on request, Config.fwd_kernel / bwd_kernel); the merge and dQ sum 4.5 ms (at bandwidth: the cost
+of the partials; the merge's two passes 2.34 vs 2.48 ms for the online form, results/gpu/run74), the plan 0.2 ms of GPU
+time. Measured and not kept: the forward's adjacent selected blocks as one 256-key entry (fewer partials, but a second
+plan for the backward and no faster forward kernels; results/gpu/run73/pairs_not_kept.patch)."""
 
 from __future__ import annotations
 
