@@ -309,7 +309,8 @@ def _plan_graphed(bounds: tuple, block_ids, seq_d, nseq, nkb, n_max, config) -> 
     _GRAPHS.move_to_end(key)
     entry = _GRAPHS[key]
     if entry is None:
-        ids = torch.empty(block_ids.shape, dtype=block_ids.dtype, device=block_ids.device)
+        with torch.inference_mode(False):  # a normal tensor: later calls copy into it in any mode (an inference
+            ids = torch.empty(block_ids.shape, dtype=block_ids.dtype, device=block_ids.device)  # tensor refuses that)
         ids.copy_(block_ids)
         tabs = _plan_launches(ids, *args)  # compiles any specialization the static buffer needs, before the capture
         graph, out = _capture(lambda: _plan_launches(ids, *args), block_ids.device)
