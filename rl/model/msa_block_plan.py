@@ -289,7 +289,8 @@ GRAPH_LAYOUTS = 4  # layouts remembered (seen once, or with a graph), least rece
 @dataclass
 class _PlanGraph:
     graph: "torch.cuda.CUDAGraph"
-    ids: torch.Tensor  # its input: each call's block_ids are copied in
+    ids: torch.Tensor  # its input: each call's block_ids are copied in (a layout's calls on one stream, as the trainer
+    # makes them: the stream orders each copy after the previous replay)
     tabs: torch.Tensor  # its output, rewritten by every replay: cloned out (a plan lives until its backward)
     seq_d: torch.Tensor  # read by the graph: kept alive with it
 
