@@ -185,10 +185,11 @@ def build_plan(block_ids: torch.Tensor, cu_seqlens, config: Config = DEFAULT) ->
     args = (block_ids, seq_d, nseq, nkb, n_max, config)
     if triton is None:
         tables = _plan_torch(*args)
+    elif (config.plan_graphs and block_ids.is_cuda and 0 < ne <= GRAPH_MAX_ENTRIES
+          and not torch.cuda.is_current_stream_capturing()):  # (inside a caller's own capture: launched)
+        tables = _split_tables(_plan_graphed(bounds, *args), *args)
     else:
-        graphed = (config.plan_graphs and block_ids.is_cuda and 0 < ne <= GRAPH_MAX_ENTRIES
-                   and not torch.cuda.is_current_stream_capturing())  # (inside a caller's capture: launched)
-        tables = _split_tables(_plan_graphed(bounds, *args) if graphed else _plan_launches(*args), *args)
+        tables = _plan_triton(*args)
     gid, pos, entries, item_key, lo, hi, order, key_item0 = tables
     return Plan(entries, item_key, lo, hi, order, key_item0, kstart_d, kend_d, gid, pos, dense_row, dense_idx,
                 prefixes, nkb, n_max)
