@@ -5,8 +5,8 @@
 
 Each case reports the median (and min/max) over --repeats timed runs after --warmup runs, with CUDA events:
 - select: `select_blocks` (no grad), index heads = KV heads, top-k of the visible blocks;
-- msa_fwd / msa_fwd_bwd: `sparse_attention` with --impl (block: rl.model.msa_block_outer, the default; triton: the per-token
-  kernels; flex; reference), its index tables built inside, validation off, backward w.r.t. q, k, v;
+- msa_fwd / msa_fwd_bwd: `sparse_attention` with --impl (block: rl.model.msa_block_outer, the default; triton: the
+  per-token kernels; flex; reference), its index tables built inside, validation off, backward w.r.t. q, k, v;
   --compare IMPL,... adds fwd and fwd+bwd of other implementations on the same inputs;
 - sdpa_fwd / sdpa_fwd_bwd: `scaled_dot_product_attention(is_causal=True, enable_gqa=True)` per sequence;
 - useful TFLOP/s: the attention FLOPs on the keys each query attends to (its selected blocks, causal; dense: every
@@ -367,7 +367,8 @@ def table(report):
     for p in report.get("profile", []):
         lines.append(f"profile {p['tokens']}: kernels {p['kernels_ms_total']:.2f} ms per fwd+bwd"
                      + (f", span {p['span_ms']:.2f}, idle {p['idle_ms']:.2f}" if p.get("span_ms") else ""))
-        lines += [f"   gap {g['us']:8.1f} us after {g['after']} before {g['before']}" for g in p.get("largest_gaps", [])]
+        lines += [f"   gap {g['us']:8.1f} us after {g['after']} before {g['before']}"
+                  for g in p.get("largest_gaps", [])]
         lines += [f"  {r['ms']:7.3f} ms {r['calls']:5.1f}x {r['kernel']}" for r in p["kernels"][:12]]
     return "\n".join(lines)
 
