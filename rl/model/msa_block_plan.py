@@ -187,7 +187,7 @@ def build_plan(block_ids: torch.Tensor, cu_seqlens, config: Config = DEFAULT) ->
         tables = _plan_torch(*args)
     elif (config.plan_graphs and block_ids.is_cuda and 0 < ne <= GRAPH_MAX_ENTRIES
           and not torch.cuda.is_current_stream_capturing()):  # (inside a caller's own capture: launched)
-        tables = _split_tables(_plan_graphed(bounds, *args), *args)
+        tables = _split_tables(_plan_graphed(bounds, *args), block_ids.shape, nkb, n_max, config)
     else:
         tables = _plan_triton(*args)
     gid, pos, entries, item_key, lo, hi, order, key_item0 = tables
@@ -227,8 +227,8 @@ def _plan_torch(block_ids, seq_d, nseq, nkb, n_max, config):
 
 def _plan_triton(block_ids, seq_d, nseq, nkb, n_max, config):
     """`build_plan`'s device tables from the plan's launches (`_plan_launches`), as `_plan_torch` returns them."""
-    return _split_tables(_plan_launches(block_ids, seq_d, nseq, nkb, n_max, config), block_ids, seq_d, nseq, nkb,
-                         n_max, config)
+    return _split_tables(_plan_launches(block_ids, seq_d, nseq, nkb, n_max, config), block_ids.shape, nkb, n_max,
+                         config)
 
 
 def _plan_launches(block_ids, seq_d, nseq, nkb, n_max, config) -> torch.Tensor:
@@ -269,13 +269,14 @@ def _parts(tabs: torch.Tensor, ne: int, n_max: int, nk: int) -> list:
     return tabs.split([ne] * 3 + [n_max] * 5 + [nk + 1])
 
 
-def _split_tables(tabs, block_ids, seq_d, nseq, nkb, n_max, config):
-    """`_plan_launches`' buffer as `_plan_torch`'s tables (order "key": the rows as they are)."""
-    t_count, hkv, topk = block_ids.shape
+def _split_tables(tabs, shape: torch.Size, nkb: int, n_max: int, config: Config):
+    """`_plan_launches`' buffer for block ids of `shape` as `_plan_torch`'s tables (order "key": the rows as they
+    are)."""
+    t_count, hkv, topk = shape
     gid, entries, pos, item_key, lo, hi, _, order, key_item0 = _parts(tabs, t_count * hkv * topk, n_max, hkv * nkb)
     if config.order == "key":
         order = _rows(n_max, tabs.device)
-    return gid.view(block_ids.shape), pos.view(block_ids.shape), entries, item_key, lo, hi, order, key_item0
+    return gid.view(shape), pos.view(shape), entries, item_key, lo, hi, order, key_item0
 
 
 # Calls of at most this many entries (8K tokens of M3: 64 per token) take their plan from a CUDA graph of
