@@ -60,6 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--profile", type=int, choices=(0, 1), default=0,
                    help="one more step under torch.profiler: GPU time split into expert / attention / projections / "
                         "LM head / other (forward, recompute and backward together)")
+    p.add_argument("--trace", default=None, help="with --profile 1: the profiled step's Chrome trace to this .json.gz")
     p.add_argument("--memory-peak", type=int, choices=(0, 1), default=0,
                    help="CUDA: one more, untimed step under torch's allocator history; the blocks live at its peak "
                         "by allocation site (scripts/cuda_memory_peak.py) go to ranks[].memory_at_peak")
@@ -236,12 +237,13 @@ def _labelled(fn, name):
     return wrapper
 
 
-def profile_step(model, optimizer, batch, token_adv, device) -> dict:
+def profile_step(model, optimizer, batch, token_adv, device, trace: str | None = None) -> dict:
     """GPU kernel time of one step by what launched it. Forward and recomputed-forward kernels take the innermost
     m3/<category> label around the call (routed experts incl. their LoRA and SwiGLU, not the weighted sum; attention
     incl. MSA and the indexer; projections: every base linear with its LoRA, the shared expert's too; LM head);
     backward kernels take the label of the forward op whose autograd node ran them (matched by sequence number).
-    Everything else is "other" (norms, routing, the weighted sum, embedding, the optimizer)."""
+    Everything else is "other" (norms, routing, the weighted sum, embedding, the optimizer). trace: a path the
+    step's Chrome trace is written to, gzipped."""
     from quant import serving
     from rl.model import lora as lora_mod
     from rl.model import quantized_base
@@ -263,6 +265,14 @@ def profile_step(model, optimizer, batch, token_adv, device) -> dict:
         for obj, name, fn in saved:
             setattr(obj, name, fn)
     t0 = time.perf_counter()
+    if trace:
+        import gzip
+        import shutil
+
+        prof.export_chrome_trace(trace.removesuffix(".gz"))
+        with open(trace.removesuffix(".gz"), "rb") as src, gzip.open(trace, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(trace.removesuffix(".gz"))
     events = prof.events()
 
     def label(e):
@@ -306,11 +316,13 @@ def profile_step(model, optimizer, batch, token_adv, device) -> dict:
         by_op[(c, op)][0] += us
         by_op[(c, op)][1] += n
     # the step's GPU idle time (no kernel on any stream), its largest gaps and the kernel pairs around the most of it
-    idle = gpu_idle.idle_gaps(gpu_idle.kernel_spans(events), top=15)
+    spans = gpu_idle.kernel_spans(events)
+    idle = gpu_idle.idle_gaps(spans, top=15)
     return {"gpu_ms": {k: round(v / 1e3, 1) for k, v in split.items()},
             "gpu_idle": {"span_ms": round(idle["span_us"] / 1e3, 1), "idle_ms": round(idle["idle_us"] / 1e3, 1),
                          "gaps": idle["gaps"], "largest_gaps": idle["largest_gaps"],
-                         "idle_by_neighbours": idle["idle_by_neighbours"]},
+                         "idle_by_neighbours": idle["idle_by_neighbours"],
+                         "host_during_idle": gpu_idle.host_during_gaps(gpu_idle.gap_list(spans), events, top=15)},
             "attributed_gpu_ms": round(attributed / 1e3, 1), "device_events_gpu_ms": round(device_total / 1e3, 1),
             "top_kernels": [{"category": c, "op": op, "kernel": k, "ms": round(us / 1e3, 1), "launches": n}
                             for (c, op, k), (us, n) in top],
@@ -373,7 +385,7 @@ def main(argv=None) -> int:
         }
         mine["saved_outside_checkpoints_gb"] = m["saved_by_op_gb"]
     if args.profile and cuda:
-        mine["time_split"] = profile_step(model, optimizer, batch, token_adv, device)
+        mine["time_split"] = profile_step(model, optimizer, batch, token_adv, device, args.trace)
     if args.memory_peak and cuda:
         import cuda_memory_peak
 
