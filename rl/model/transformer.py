@@ -241,7 +241,7 @@ class MoE(nn.Module):
         host = torch.cat([offsets.double(), *(g.double() for g in scales)]).tolist()
         bounds, pads = [int(b) for b in host[:n]], (None, None)
         if multiple > 1:
-            tok, w, bounds, offsets, *pads = pad_expert_rows(tok, w, bounds, multiple, x.shape[0])
+            tok, w, bounds, offsets, *pads = pad_expert_rows(tok, w, bounds, multiple)
         return tok, w, offsets, {"bounds": bounds, "w13": host[n:2 * n - 1], "w2": host[2 * n - 1:]}, pads
 
     @staticmethod
@@ -327,13 +327,11 @@ class MoE(nn.Module):
         return torch.cat(rows) if rows else xs.new_zeros(0, xs.shape[1])
 
 
-def pad_expert_rows(tok: torch.Tensor, w: torch.Tensor, bounds: list[int], multiple: int, num_tokens: int):
+def pad_expert_rows(tok: torch.Tensor, w: torch.Tensor, bounds: list[int], multiple: int):
     """Expert-sorted rows (token tok [R], weight w [R], host offsets bounds [E+1]) with each expert's rows padded to a
     multiple of `multiple` rows: (tok, w, the padded offsets as a host list and as device int32, the padding rows'
     positions on the device (by expert) and each expert's first index into them (host [E+1])). Padding rows take
-    weight 0 (differentiable in w) and tokens spread over [0, num_tokens): the scatters that sum rows into their
-    tokens (the gather's backward, the weighted sum) slow down on many rows of one token (run107: the gather's
-    backward 65 ms a step with every padding row on token 0, 33 without padding); rows_of zeroes their inputs. For the NVFP4 decode path's per-expert
+    token 0 and weight 0 (differentiable in w); rows_of zeroes their inputs. For the NVFP4 decode path's per-expert
     cuBLAS GEMMs (quant.kernels.nvfp4_moe.DEQUANT_ROW_MULTIPLE: shapes that repeat). Host work on E-long lists and
     one host-to-device copy (a stream sync: the caller has just synced to read the bounds, so little waits on it)."""
     counts = [b - a for a, b in zip(bounds, bounds[1:])]
@@ -350,8 +348,7 @@ def pad_expert_rows(tok: torch.Tensor, w: torch.Tensor, bounds: list[int], multi
         torch.arange(e, device=dev), counts_d, output_size=tok.numel())]
     owner = torch.repeat_interleave(torch.arange(e, device=dev), first.diff(), output_size=first_pad[-1])
     pads = pad_at[owner] + torch.arange(first_pad[-1], device=dev) - first[owner]
-    spread = torch.arange(padded[-1], device=dev, dtype=tok.dtype) % max(num_tokens, 1)
-    return (spread.index_copy_(0, at, tok), w.new_zeros(padded[-1]).index_copy(0, at, w),
+    return (tok.new_zeros(padded[-1]).index_copy_(0, at, tok), w.new_zeros(padded[-1]).index_copy(0, at, w),
             padded, offsets.to(torch.int32), pads, first_pad)
 
 
