@@ -71,7 +71,6 @@ class ModelCfg:
     moe_impl: MoEImpl = MoEImpl.auto
     activation_checkpointing: bool = False
     moe_chunk_tokens: int = 0
-    moe_row_multiple: int = 0  # 0: auto (rl/model/transformer.py TrainerModelConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # rank 32, alpha 64, every target (rl/model/lora.py)
 
 
@@ -240,7 +239,7 @@ _SEED = (0, 2**32 - 1)  # numpy's seed range
 # end. validate checks them (floats must also be finite); tests/rl/test_config_fuzz.py draws values outside each and
 # fails for a numeric field of the schema that is missing here.
 BOUNDS = {
-    "model.moe_chunk_tokens": (0, None), "model.moe_row_multiple": (0, None), "model.lora.rank": (1, None), "model.lora.alpha": ("(", 0, None),
+    "model.moe_chunk_tokens": (0, None), "model.lora.rank": (1, None), "model.lora.alpha": ("(", 0, None),
     "model.lora.dropout": (0.0, 1.0, ")"),
     "warmup.max_steps": (0, None), "warmup.batch_size": (1, None), "warmup.lr": ("(", 0.0, None),
     "warmup.eval_every": (1, None), "warmup.coarse_eval_every": (1, None), "warmup.target_sampled_acc": (0.0, 1.0),

@@ -98,7 +98,7 @@ class Session:
             path=self.model_path, dtype=m.dtype, base=m.base, profile=m.profile, kv_cache_dtype=m.kv_cache_dtype,
             indexer_kv_dtype=m.indexer_kv_dtype, attention_impl=m.attention_impl, moe_impl=m.moe_impl,
             activation_checkpointing=m.activation_checkpointing, moe_chunk_tokens=m.moe_chunk_tokens,
-            moe_row_multiple=m.moe_row_multiple, lora=self.lora_cfg), on_layer=on_layer)
+            lora=self.lora_cfg), on_layer=on_layer)
         if self.world > 1:
             shard_model(model, mesh=mesh, shard_base=shard_base)
         return model

@@ -18,11 +18,9 @@ when Triton is missing), so CPU code paths never need Triton.
 
 from quant.kernels._triton import triton_available
 from quant.kernels.mxfp8_linear import mxfp8_dequantize, mxfp8_linear
-from quant.kernels.nvfp4_moe import (dequant_row_multiple, expert_offsets, nvfp4_moe_linear,
-                                     nvfp4_moe_linear_reference, sort_by_expert)
+from quant.kernels.nvfp4_moe import expert_offsets, nvfp4_moe_linear, nvfp4_moe_linear_reference, sort_by_expert
 
 __all__ = [
-    "dequant_row_multiple",
     "expert_offsets",
     "mxfp8_dequantize",
     "mxfp8_linear",

@@ -29,7 +29,6 @@ from quant.kernels.nvfp4_dequant import dequant_dgrad, dequant_fwd
 from quant.kernels.nvfp4_moe_gemm import gluon_dgrad_device, launch_dgrad, launch_fwd
 
 __all__ = [
-    "dequant_row_multiple",
     "expert_offsets",
     "nvfp4_moe_forward",
     "nvfp4_moe_input_grad",
@@ -124,22 +123,6 @@ def nvfp4_moe_linear_reference(
 # "dgrad_gluon": the input gradient where the Gluon kernel is the kernel (sm_90, nvfp4_moe_gemm.GLUON_DGRAD_MIN_ROWS):
 # Gluon 17.4 vs decode 18.0 ms at 512 rows, 30.7 vs 29.5 at 1024 (results/gpu/run40/bench_expert.json).
 DEQUANT_MIN_ROWS = {"fwd": 768, "dgrad": 384, "dgrad_gluon": 768}
-
-
-# The multiple of rows callers pad each expert's rows to where the decode path may run (dequant_row_multiple). Its
-# per-expert cuBLAS GEMMs get their kernel from a heuristic that costs 0.25-0.5 ms of host time per new shape, cached
-# per shape by cuBLAS: in run105's 4-layer x 4 x 16K quantized step 900 of the 2,766 expert GEMMs were new shapes
-# (rows per expert vary with the routing), ~0.4 s of host time, and the GPU idled waiting for them (169 ms idle in
-# that step against 54 for the bf16 base). Rows from a few multiples keep the shapes repeating across layers and
-# steps. 128: the GEMMs' row tiles (128 or 256 rows) mostly cover the padding in tiles computed anyway.
-DEQUANT_ROW_MULTIPLE = 128
-
-
-def dequant_row_multiple(m: int, num_experts: int) -> int:
-    """The multiple to pad each expert's rows to for a call of m rows over num_experts experts (the row counts the
-    decode path's cuBLAS GEMMs see): DEQUANT_ROW_MULTIPLE where the forward takes the decode path (on the H200 the
-    input gradient's threshold is the same), else 1 (the fused kernels gain nothing from padding)."""
-    return DEQUANT_ROW_MULTIPLE if m >= DEQUANT_MIN_ROWS["fwd"] * num_experts else 1
 
 
 def _pick(impl, m, num_experts, direction, gluon=False):

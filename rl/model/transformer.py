@@ -9,7 +9,6 @@ before the fp32 weighted sum, the index q/k rounded to bf16, LoRA beside each ba
 Inputs are packed without padding: `input_ids [T]` with `cu_seqlens [B+1]` (left padding would shift MSA blocks).
 """
 
-import bisect
 from dataclasses import dataclass, field
 
 import torch
@@ -19,7 +18,7 @@ from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMa
 from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLRMSNorm
 
 from m3.config import DTYPES
-from quant.kernels import dequant_row_multiple, nvfp4_moe_linear, sort_by_expert
+from quant.kernels import nvfp4_moe_linear, sort_by_expert
 from quant.kv_cache import nvfp4_kv_qdq
 from rl.model import msa
 from rl.model.lean import (add_rows_, fp32_linear, fused_add_norm, lm_head_logprobs, norm_rope, weighted_rows,
@@ -48,8 +47,6 @@ class TrainerModelConfig:
     moe_chunk_tokens: int = 0  # > 0 (with checkpointing, MoE layers): routed experts in expert groups of ~this many
     # tokens x top_k rows and the attention half per group of whole sequences of <= this many tokens, each recomputed
     # in backward (less memory)
-    moe_row_multiple: int = 0  # each expert's rows padded to a multiple of this in the grouped expert path; 0: auto
-    # (quant.kernels.nvfp4_moe.DEQUANT_ROW_MULTIPLE where NVFP4 experts may run the decode + cuBLAS path, else none)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def validate(self) -> None:
@@ -59,8 +56,6 @@ class TrainerModelConfig:
             check_choice(f"model.{key}", getattr(self, key), enum)
         if self.moe_chunk_tokens < 0:
             raise ValueError(f"model.moe_chunk_tokens={self.moe_chunk_tokens}: expected 0 (off) or a token count")
-        if self.moe_row_multiple < 0:
-            raise ValueError(f"model.moe_row_multiple={self.moe_row_multiple}: expected 0 (auto) or a row count")
         self.lora.validate()
 
 
@@ -194,7 +189,7 @@ class MoE(nn.Module):
         self.top_k, self.scaling = cfg.num_experts_per_tok, cfg.routed_scaling_factor
         self.alpha, self.limit, self.beta = cfg.swiglu_alpha, cfg.swiglu_limit, cfg.swiglu_beta
         self.impl, self.num_experts = model_cfg.moe_impl, cfg.num_local_experts
-        self.chunk_tokens, self.row_multiple = model_cfg.moe_chunk_tokens, model_cfg.moe_row_multiple
+        self.chunk_tokens = model_cfg.moe_chunk_tokens
 
     def _use_grouped(self, x) -> bool:
         fits = x.is_cuda and x.dtype == torch.bfloat16
@@ -219,70 +214,41 @@ class MoE(nn.Module):
             shared = self.shared_experts(x)
         return routed + shared, own, ids
 
-    def _row_multiple(self, x, rows: int) -> int:
-        if self.row_multiple:
-            return self.row_multiple
-        if not (self.experts.quantized and self._use_grouped(x)):
-            return 1
-        return dequant_row_multiple(rows, self.num_experts)
-
-    def _sorted_rows(self, x, weights, ids, need_host: bool):
-        """The routed rows sorted by expert, each expert's padded to a multiple of _row_multiple (pad_expert_rows):
-        (token [R], weight [R], device offsets [E+1], host lists or None, the padding rows as pad_expert_rows gives
-        them or (None, None)). The host lists (one sync): the offsets ("bounds") and, for NVFP4, the decode scales
-        ("w13", "w2"); read where asked or where padding needs the offsets."""
-        order, offsets = sort_by_expert(ids, self.num_experts)
-        tok, w = order // self.top_k, weights.reshape(-1)[order]
-        multiple = self._row_multiple(x, ids.numel())
-        if not need_host and multiple == 1:
-            return tok, w, offsets, None, (None, None)
-        e, n = self.experts, self.num_experts + 1
-        scales = [getattr(e, f"{name}_gs").reshape(-1) for name in ("w13", "w2")] if e.quantized else []
-        host = torch.cat([offsets.double(), *(g.double() for g in scales)]).tolist()
-        bounds, pads = [int(b) for b in host[:n]], (None, None)
-        if multiple > 1:
-            tok, w, bounds, offsets, *pads = pad_expert_rows(tok, w, bounds, multiple)
-        return tok, w, offsets, {"bounds": bounds, "w13": host[n:2 * n - 1], "w2": host[2 * n - 1:]}, pads
-
-    @staticmethod
-    def _part(host, pads, e0, e1):
-        """Experts e0..e1-1's share of _sorted_rows' host lists (offsets from their first row; None without NVFP4
-        scales) and of its padding rows: a device index from their first row, or None."""
-        lo = host["bounds"][e0]
-        part = {"bounds": [b - lo for b in host["bounds"][e0:e1 + 1]], "w13": host["w13"][e0:e1],
-                "w2": host["w2"][e0:e1]} if host["w13"] else None
-        rows, first = pads
-        return part, rows[first[e0]:first[e1]] - lo if rows is not None and first[e1] > first[e0] else None
-
     def _routed(self, x, weights, ids):
         """The routed experts' weighted sum, in x's dtype (vLLM: fp32 sum of the scaled expert outputs)."""
-        tok, w, offsets, host, pads = self._sorted_rows(x, weights, ids, need_host=False)
-        part, pad = self._part(host, pads, 0, self.num_experts) if host else (None, None)
-        y = self._experts(rows_of(x, tok, pad), offsets, 0, self.num_experts, part)
-        return weighted_sum(y, w, tok, x.shape[0]).to(x.dtype)
+        order, offsets = sort_by_expert(ids, self.num_experts)
+        tok = order // self.top_k
+        y = self._experts(x[tok], offsets, 0, self.num_experts)
+        return weighted_sum(y, weights.reshape(-1)[order], tok, x.shape[0]).to(x.dtype)
 
     def _routed_in_groups(self, x, weights, ids, max_rows):
         """_routed by groups of consecutive experts of about max_rows rows each, each group recomputed in backward:
         a long batch holds one group's expert activations at a time. Groups of experts rather than of tokens: each
         expert sees all its rows of the batch in one call, so the NVFP4 experts decode their weights once per pass
         and run large GEMMs (token chunks gave each expert 1/n of its rows per call, where the NVFP4 path is
-        slowest: results/gpu/issue19_targets.json). One host sync per layer pass (_sorted_rows): the group
-        boundaries and what the NVFP4 decode path reads on the host (it would sync once per call otherwise, i.e. per
-        group, linear and pass: ~0.1 s per 4-layer step)."""
-        tok, w, offsets, host, pads = self._sorted_rows(x, weights, ids, need_host=True)
-        bounds = host["bounds"]
+        slowest: results/gpu/issue19_targets.json)."""
+        order, offsets = sort_by_expert(ids, self.num_experts)
+        e, n = self.experts, self.num_experts + 1
+        scales = [getattr(e, f"{w}_gs").reshape(-1) for w in ("w13", "w2")] if e.quantized else []
+        # One host sync per layer pass: the group boundaries and, for NVFP4, what its decode path reads on the host
+        # (it would sync once per call otherwise, i.e. per group, linear and pass: ~0.1 s per 4-layer step)
+        host = torch.cat([offsets.double(), *(g.double() for g in scales)]).tolist()
+        bounds = [int(b) for b in host[:n]]
+        tok = order // self.top_k
+        w = weights.reshape(-1)[order]
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e0, e1 in expert_groups(bounds, max_rows):
             lo, hi = bounds[e0], bounds[e1]
-            part, pad = self._part(host, pads, e0, e1)
-            rows = torch.utils.checkpoint.checkpoint(self._group, x, tok[lo:hi], w[lo:hi], offsets[e0:e1 + 1] - lo,
-                                                     e0, e1, part, pad, use_reentrant=False)
-            out = add_rows_(out, tok[lo:hi], rows)  # the fp32 weighted sum, as weighted_sum's
+            group_host = {"bounds": [b - lo for b in bounds[e0:e1 + 1]], "w13": host[n + e0:n + e1],
+                          "w2": host[2 * n - 1 + e0:2 * n - 1 + e1]} if scales else None
+            part = torch.utils.checkpoint.checkpoint(self._group, x, tok[lo:hi], w[lo:hi], offsets[e0:e1 + 1] - lo,
+                                                     e0, e1, group_host, use_reentrant=False)
+            out = add_rows_(out, tok[lo:hi], part)  # the fp32 weighted sum, as weighted_sum's
         return out.to(x.dtype)
 
-    def _group(self, x, tok, w, offsets, e0, e1, host, pad):
+    def _group(self, x, tok, w, offsets, e0, e1, host):
         # recomputed in backward: NVFP4 weights decoded in the recompute serve this group's input gradient
-        return weighted_rows(self._experts(rows_of(x, tok, pad), offsets, e0, e1, host, keep_decoded=True), w)
+        return weighted_rows(self._experts(x[tok], offsets, e0, e1, host, keep_decoded=True), w)
 
     def _experts(self, xs, offsets, e0, e1, host=None, keep_decoded=False):
         """Experts e0..e1-1 on their rows xs (sorted by expert, expert e0+i's at offsets[i]:offsets[i+1]): on CUDA in
@@ -325,38 +291,6 @@ class MoE(nn.Module):
                 y = y + lora.down(act, e0 + i)
             rows.append(y)
         return torch.cat(rows) if rows else xs.new_zeros(0, xs.shape[1])
-
-
-def pad_expert_rows(tok: torch.Tensor, w: torch.Tensor, bounds: list[int], multiple: int):
-    """Expert-sorted rows (token tok [R], weight w [R], host offsets bounds [E+1]) with each expert's rows padded to a
-    multiple of `multiple` rows: (tok, w, the padded offsets as a host list and as device int32, the padding rows'
-    positions on the device (by expert) and each expert's first index into them (host [E+1])). Padding rows take
-    token 0 and weight 0 (differentiable in w); rows_of zeroes their inputs. For the NVFP4 decode path's per-expert
-    cuBLAS GEMMs (quant.kernels.nvfp4_moe.DEQUANT_ROW_MULTIPLE: shapes that repeat). Host work on E-long lists and
-    one host-to-device copy (a stream sync: the caller has just synced to read the bounds, so little waits on it)."""
-    counts = [b - a for a, b in zip(bounds, bounds[1:])]
-    padded, first_pad = [0], [0]
-    for c in counts:
-        padded.append(padded[-1] + -(-c // multiple) * multiple)
-        first_pad.append(first_pad[-1] + padded[-1] - padded[-2] - c)
-    dev, e = tok.device, len(counts)
-    shift = [p - b for p, b in zip(padded, bounds)][:-1]
-    pad_at = [p + c for p, c in zip(padded, counts)]  # each expert's first padding row
-    offsets, shift, counts_d, pad_at, first = torch.tensor([*padded, *shift, *counts, *pad_at, *first_pad],
-                                                           device=dev).split([e + 1, e, e, e, e + 1])
-    at = torch.arange(tok.numel(), device=dev) + shift[torch.repeat_interleave(
-        torch.arange(e, device=dev), counts_d, output_size=tok.numel())]
-    owner = torch.repeat_interleave(torch.arange(e, device=dev), first.diff(), output_size=first_pad[-1])
-    pads = pad_at[owner] + torch.arange(first_pad[-1], device=dev) - first[owner]
-    return (tok.new_zeros(padded[-1]).index_copy_(0, at, tok), w.new_zeros(padded[-1]).index_copy(0, at, w),
-            padded, offsets.to(torch.int32), pads, first_pad)
-
-
-def rows_of(x: torch.Tensor, tok: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor:
-    """x's rows tok (the expert inputs), the padding rows pad (pad_expert_rows) zeroed: they stay exact zeros through
-    the experts and their weight 0, and a finite x can not make them inf or NaN."""
-    rows = x[tok]
-    return rows if pad is None else rows.index_fill_(0, pad, 0)
 
 
 def expert_groups(bounds: list[int], max_rows: int) -> list[tuple[int, int]]:

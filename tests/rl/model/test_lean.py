@@ -8,7 +8,7 @@ from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VL
 from m3.ops import neox_rope
 from rl.model import lean
 from rl.model.lora import lora_delta
-from rl.model.transformer import expert_groups, pad_expert_rows, rows_of
+from rl.model.transformer import expert_groups
 
 
 @pytest.fixture(autouse=True)
@@ -41,26 +41,6 @@ def _check(fn_new, fn_old, inputs, dtype, atol):
     assert all(torch.equal(a, b) for a, b in zip(y_new, y_old))
     for a, b in zip(g_new, g_old):
         assert float((a - b).norm() / b.norm()) <= atol
-
-
-def test_pad_expert_rows():
-    # experts with 3, 0, 5 and 4 rows, padded to multiples of 4: 4, 0, 8, 4
-    bounds = [0, 3, 3, 8, 12]
-    tok = torch.arange(12) + 100
-    w = torch.linspace(0.1, 1.2, 12, requires_grad=True)
-    tok_p, w_p, padded, offsets, pads, first = pad_expert_rows(tok, w, bounds, 4)
-    assert padded == [0, 4, 4, 12, 16] and offsets.tolist() == padded and offsets.dtype == torch.int32
-    assert pads.tolist() == [3, 9, 10, 11] and first == [0, 1, 1, 4, 4]
-    real = [0, 1, 2, 4, 5, 6, 7, 8, 12, 13, 14, 15]
-    assert tok_p.tolist() == [100, 101, 102, 0, 103, 104, 105, 106, 107, 0, 0, 0, 108, 109, 110, 111]
-    assert torch.equal(w_p[real], w.detach()) and not w_p[pads].any()
-    w_p.backward(torch.arange(16.0))
-    assert w.grad.tolist() == [float(p) for p in real]
-    x = torch.randn(200, 3)
-    rows = rows_of(x, tok_p, pads)
-    assert torch.equal(rows[real], x[tok]) and not rows[pads].any()
-    same = pad_expert_rows(tok, w, bounds, 1)
-    assert torch.equal(same[0], tok) and same[2] == bounds and same[4].numel() == 0 and same[5] == [0] * 5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

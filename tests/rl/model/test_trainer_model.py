@@ -178,33 +178,6 @@ def test_moe_token_chunks_match_one_pass(setup, rollouts):
     assert max(float((g0[n] - g1[n]).norm() / g0[n].norm().clamp_min(1e-30)) for n in g0) <= 1e-4
 
 
-def test_padded_expert_rows_match_unpadded(setup, rollouts):
-    """model.moe_row_multiple: each expert's rows padded with zero rows to a multiple (what the NVFP4 decode path
-    gets on the GPU, for cuBLAS shapes that repeat) give the same logprobs and gradients, in expert groups under
-    recompute and in the one-pass path, as no padding (up to the order of fp32 sums)."""
-    model = setup[1]
-    r = rollouts[LONG]
-    ids = torch.tensor(r.prompt_ids + r.token_ids)
-    moes = [layer.mlp for layer in model.model.layers if layer.is_moe]
-    for chunk in (97, 0):
-        results = []
-        for multiple in (0, 8):  # 0: auto, no padding on CPU
-            for moe in moes:
-                moe.row_multiple = multiple
-            try:
-                with moe_chunks(model, chunk):
-                    model.mcfg.activation_checkpointing = bool(chunk)
-                    lp = model.token_logprobs(ids[:-1], torch.tensor([0, len(ids) - 1]), ids[1:])
-                    lp.sum().backward()
-                    results.append((lp.detach(), lora_grads(model)))
-            finally:
-                for moe in moes:
-                    moe.row_multiple = 0
-        (lp0, g0), (lp1, g1) = results
-        assert (lp0 - lp1).abs().max() <= 1e-5 and g0.keys() == g1.keys() and g0
-        assert max(float((g0[n] - g1[n]).norm() / g0[n].norm().clamp_min(1e-30)) for n in g0) <= 1e-4
-
-
 def test_activation_checkpointing_with_moe_chunks_is_exact(setup, rollouts):
     """With MoE chunks, activation checkpointing recomputes the attention half and the MoE's own expert groups
     (DecoderLayer checkpoint_parts), not the whole layer: still the same logprobs and gradients as no recompute."""
