@@ -65,7 +65,10 @@ def parse_args(argv=None):
                    help="CUDA: one more, untimed step under torch's allocator history; the blocks live at its peak "
                         "by allocation site (scripts/cuda_memory_peak.py) go to ranks[].memory_at_peak")
     p.add_argument("--out", default=None)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.trace and not args.profile:
+        p.error("--trace writes the profiled step's trace: it needs --profile 1")
+    return args
 
 
 def text_config(args) -> dict:

@@ -94,3 +94,13 @@ def test_slice_pairs_ratios_per_round_and_incomplete_rounds_left_out(tmp_path):
     assert slice_pairs.main([str(tmp_path), "--out", str(out)]) == 1
     # no slice JSON at all: an error, not an empty result
     assert slice_pairs.main([str(tmp_path / "none"), "--out", str(out)]) == 1
+
+
+def test_trace_without_profile_is_refused(capsys):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import train_step_m3
+
+    with pytest.raises(SystemExit):
+        train_step_m3.parse_args(["--trace", "step.json.gz"])
+    assert "--trace writes the profiled step's trace: it needs --profile 1" in capsys.readouterr().err
+    assert train_step_m3.parse_args(["--trace", "step.json.gz", "--profile", "1"]).trace == "step.json.gz"
