@@ -54,7 +54,8 @@ def idle_gaps(spans, top: int = 8, name_chars: int = 60) -> dict:
         pairs[(after, nxt)][1] += 1
     end = max(s[1] for s in spans)
     return {"span_us": end - spans[0][0], "idle_us": sum(g[0] for g in gaps), "gaps": len(gaps),
-            "largest_gaps": [{"us": us, "after": a, "before": b} for us, a, b in sorted(gaps, key=lambda g: -g[0])[:top]],
+            "largest_gaps": [{"us": us, "after": a, "before": b}
+                             for us, a, b in sorted(gaps, key=lambda g: -g[0])[:top]],
             "idle_by_neighbours": [{"us": us, "gaps": n, "after": a, "before": b}
                                    for (a, b), (us, n) in sorted(pairs.items(), key=lambda kv: -kv[1][0])[:top]]}
 
@@ -80,7 +81,8 @@ def host_during_gaps(gaps, events, top: int = 12, name_chars: int = 60) -> dict:
     op, parent), the `top` of each (times in us). Python code between ops counts under the op that encloses it."""
     import torch
 
-    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.time_range.end > e.time_range.start]
+    cpu = [e for e in events
+           if e.device_type == torch.autograd.DeviceType.CPU and e.time_range.end > e.time_range.start]
     by_thread = collections.defaultdict(list)
     for e in cpu:
         if e.cpu_parent is None:

@@ -13,7 +13,7 @@
 #   bench_mxfp8           scripts/bench_mxfp8_linear.py --trainer (the trainer's projection shapes, 4 and 8 x 16K)
 #   slice:L:S:BASE[:P[:C[:M]]]  scripts/train_step_m3.py at M3 width: L layers, S x 16K tokens, BASE quantized|bf16,
 #                         activation checkpointing on, MoE chunks of C tokens (default 16384); P=1: the time split
-#                         (with the host's ops during the GPU's idle gaps); P=2: also the step's Chrome trace (.json.gz);
+#                         (with the host's ops during the GPU's idle gaps); P=2: also the step's Chrome trace;
 #                         M=1: what is live at the peak of one more step, by allocation site (--memory-peak);
 #                         SLICE_STEPS timed steps (default 2)
 #   pairs:L:S:N[:base[:C]]  N rounds of the quantized and the bf16 slice (L layers, S x 16K tokens, SLICE_STEPS timed
@@ -74,7 +74,8 @@ for step in "$@"; do
       (( p == 2 )) && p=1 && trace=(--trace "$OUT/$name.trace.json.gz")
       run "$name" "$(lim 240)" torchrun --nproc-per-node 1 scripts/train_step_m3.py --layers "$layers" --seq-len 16384 \
           --seqs-per-rank "$seqs" --steps "${SLICE_STEPS:-2}" --base "$base" --shard-base 0 \
-          --moe-chunk-tokens "$chunk" --profile "$p" "${trace[@]}" --memory-peak "${mpeak:-0}" --out "$OUT/$name.json" ;;
+          --moe-chunk-tokens "$chunk" --profile "$p" "${trace[@]}" --memory-peak "${mpeak:-0}" \
+          --out "$OUT/$name.json" ;;
     pairs:*)
       IFS=: read -r _ layers seqs rounds with_base chunk <<< "$step"; chunk=${chunk:-16384}
       out="$OUT/pairs"; mkdir -p "$out"
