@@ -316,8 +316,6 @@ def profile(total, args, device, dtype, gen):
 def trace(total, args, device, dtype, gen, out_dir):
     """Chrome traces of fwd+bwd after warm-up, single sequence: one call and 3 back to back with host ops, CUDA
     runtime calls and kernels, and one call with Python frames too (the profiler's own cost inflates that one)."""
-    import gzip
-    import shutil
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     fn = single_fwd_bwd(total, args, device, dtype, gen)
@@ -332,12 +330,9 @@ def trace(total, args, device, dtype, gen, out_dir):
             for _ in range(calls):
                 fn()
             sync()
-        path = os.path.join(out_dir, f"trace_{total}_{name}.json")
-        prof.export_chrome_trace(path)
-        with open(path, "rb") as src, gzip.open(path + ".gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        os.remove(path)
-        paths.append(path + ".gz")
+        path = os.path.join(out_dir, f"trace_{total}_{name}.json.gz")
+        prof.export_chrome_trace(path)  # torch gzips a path ending in .gz
+        paths.append(path)
     return paths
 
 

@@ -246,7 +246,7 @@ def profile_step(model, optimizer, batch, token_adv, device, trace: str | None =
     incl. MSA and the indexer; projections: every base linear with its LoRA, the shared expert's too; LM head);
     backward kernels take the label of the forward op whose autograd node ran them (matched by sequence number).
     Everything else is "other" (norms, routing, the weighted sum, embedding, the optimizer). trace: a path the
-    step's Chrome trace is written to, gzipped."""
+    step's Chrome trace is written to (gzipped where it ends in .gz)."""
     from quant import serving
     from rl.model import lora as lora_mod
     from rl.model import quantized_base
@@ -269,13 +269,7 @@ def profile_step(model, optimizer, batch, token_adv, device, trace: str | None =
             setattr(obj, name, fn)
     t0 = time.perf_counter()
     if trace:
-        import gzip
-        import shutil
-
-        prof.export_chrome_trace(trace.removesuffix(".gz"))
-        with open(trace.removesuffix(".gz"), "rb") as src, gzip.open(trace, "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        os.remove(trace.removesuffix(".gz"))
+        prof.export_chrome_trace(trace)  # torch gzips a path ending in .gz
     events = prof.events()
 
     def label(e):
