@@ -1,8 +1,8 @@
 """scripts/gpu_idle.py: the idle time between kernels of a profiler capture, with kernels on two streams overlapping."""
 
 import sys
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
