@@ -17,8 +17,9 @@ time, i.e. tiles of TM x G rows (G = Hq/Hkv query heads of a token share the KV 
   dK/dV sums to scratch and `_reduce_dkdv` adds a block's items in order: one owner, no atomics, deterministic. The
   two sums are one launch (`_reduce_grads`).
 - dense prefix: a query at position < topk*128 sees at most topk blocks and (validated ids) selects all of them, so
-  its attention is plain causal attention over its sequence's prefix: those tokens go through SDPA (FlashAttention)
-  when the prefix has >= `dense_prefix_min` tokens, and the kernels skip them.
+  its attention is plain causal attention over its sequence's prefix: those tokens go through FlashAttention (one
+  varlen call for all prefixes, `_causal_dense`) when the prefix has >= `dense_prefix_min` tokens, and the kernels
+  skip them; a batch whose sequences all fit in topk blocks is that call alone.
 Operands bf16, accumulation fp32, P and dS rounded to the operand type before their MMAs (as FlashAttention and
 rl.model.msa_triton do); partials stored in `part_dtype`. Work items run largest first (LPT) for balance, or by token.
 On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1; tests only).
@@ -43,6 +44,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+import itertools
 import math
 
 import torch
@@ -51,7 +54,7 @@ import torch.nn.functional as F
 from m3.ops import MSA_BLOCK as BLOCK  # keys per program
 from rl.model.msa_block_plan import (DEFAULT, Config, Plan, build_plan,  # noqa: F401  (build_plan: re-exported)
                                      dense_prefixes)
-from rl.model.packed import seq_bounds, sequence_group_spans
+from rl.model.packed import seq_bounds, sequence_group_spans, to_device
 
 try:
     from rl.model.msa_block_outer_gluon import _bwd_gluon, _fwd_gluon
@@ -440,21 +443,50 @@ def _dense_rows(x, prefixes: list, dense_idx: torch.Tensor) -> torch.Tensor:
     return x.index_select(0, dense_idx)
 
 
-def _causal_sdpa(q, k, v, spans, scale: float):
-    """Causal attention of each span [(start, length)] of q/k/v rows (SDPA; FlashAttention on CUDA), concatenated."""
-    outs = []
-    for start, length in spans:
+def _causal_dense(q, k, v, lengths: list, scale: float):
+    """Causal attention of consecutive row spans of q/k/v (`lengths` rows each, covering them): one varlen
+    FlashAttention call on CUDA where torch has one for these inputs (`_varlen`: a packed batch of short sequences is
+    one launch each way, not an SDPA per sequence and a concatenation), else SDPA per span."""
+    varlen = _varlen(q.device, q.dtype, q.shape[2]) if len(lengths) > 1 else None
+    if varlen is not None:
+        cu = _cu_seqlens(tuple(lengths), q.device)
+        return varlen(q, k, v, cu, cu, max(lengths), max(lengths), scale=scale)
+    outs, start = [], 0
+    for length in lengths:
         qs, ks, vs = (x[start:start + length].transpose(0, 1)[None] for x in (q, k, v))
         outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
                                                    enable_gqa=qs.shape[1] != ks.shape[1])[0].transpose(0, 1))
+        start += length
     return torch.cat(outs) if outs else q.new_empty(0, *q.shape[1:])
+
+
+@functools.lru_cache(maxsize=16)
+def _varlen(device, dtype, dim: int):
+    """torch's causal varlen FlashAttention (torch.nn.attention.varlen) for q/k/v on `device` in `dtype` with head
+    dim `dim`, or None where it cannot run them (CPU, fp32, pre-Ampere, a torch without it). GQA: torch 2.13 asks for
+    enable_gqa=True, 2.11 has no such argument and hands FlashAttention Hq a multiple of Hkv as it is."""
+    if (device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or dim % 8 or dim > 256
+            or torch.cuda.get_device_capability(device)[0] < 8):
+        return None
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    gqa = {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen_attn).parameters else {}
+    return functools.partial(varlen_attn, window_size=(-1, 0), **gqa)
+
+
+@functools.lru_cache(maxsize=16)
+def _cu_seqlens(lengths: tuple, device) -> torch.Tensor:
+    """int32 offsets of consecutive spans on the device, once per batch layout (every layer has the same one).
+    Read-only."""
+    return to_device([0, *itertools.accumulate(lengths)], device, torch.int32)
 
 
 def _dense_prefix(q, k, v, prefixes: list, dense_idx: torch.Tensor, scale: float):
     """The dense prefixes' attention (`Plan.prefixes`, at least one), rows in `Plan.dense_idx` order."""
     qp, kp, vp = (_dense_rows(x, prefixes, dense_idx) for x in (q, k, v))
-    offsets = torch.tensor([0] + [n for _, n in prefixes]).cumsum(0).tolist()
-    return _causal_sdpa(qp, kp, vp, [(o, n) for o, (_, n) in zip(offsets, prefixes)], scale)
+    return _causal_dense(qp, kp, vp, [n for _, n in prefixes], scale)
 
 
 def sparse_attention(q, k, v, block_ids, cu_seqlens, scale: float, config: Config = DEFAULT) -> torch.Tensor:
@@ -463,7 +495,7 @@ def sparse_attention(q, k, v, block_ids, cu_seqlens, scale: float, config: Confi
     if all(e - s <= block_ids.shape[2] * BLOCK for s, e in bounds):
         # Every query sees at most topk blocks and selects them all: the batch is plain causal attention per
         # sequence, no kernels (packed batches of short sequences run as fast as dense, being dense)
-        return _causal_sdpa(q, k, v, [(s, e - s) for s, e in bounds if e > s], scale)
+        return _causal_dense(q, k, v, [e - s for s, e in bounds if e > s], scale)
     if triton is None:
         raise RuntimeError("rl.model.msa_block_outer needs Triton (CUDA, or TRITON_INTERPRET=1 for tests)")
     config = _kernels(q, k, config)

@@ -7,7 +7,7 @@ into many work items (dK/dV summed over items), 64-key backward programs, atomic
 head (padded tile rows).
 GPU (`-m gpu`): bf16 at M3's shapes (64 q / 4 KV heads, d 128, top-16) at 4K, packed, 32K, with -1 padding and
 forced blocks, through `rl.model.msa.sparse_attention` (the default path), each partial/dQ variant and each kernel
-(Gluon and Triton, forward and backward).
+(Gluon and Triton, forward and backward); packed short sequences through varlen FlashAttention.
 """
 
 import json
@@ -194,6 +194,18 @@ def test_short_sequences_are_causal_sdpa():
         assert float((a - b).abs().max() / a.abs().max()) <= 1e-5
 
 
+def test_varlen_flash_only_where_it_runs():
+    """The dense path's varlen FlashAttention is taken only for CUDA half-precision inputs of a FlashAttention head
+    dim; its offsets are int32 cumulative lengths, shared by every call of a batch layout."""
+    from rl.model import msa_block_outer as mbo
+
+    cpu = torch.device("cpu")
+    assert mbo._varlen(cpu, torch.bfloat16, 128) is None and mbo._varlen(cpu, torch.float32, 16) is None
+    cu = mbo._cu_seqlens((250, 256, 77), cpu)
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 250, 506, 583]
+    assert mbo._cu_seqlens((250, 256, 77), cpu) is cu
+
+
 # --- GPU ---------------------------------------------------------------------------------------------------------
 
 def _rel(a, b):
@@ -280,3 +292,32 @@ def test_plan_from_cuda_graph_matches_launches_gpu(lengths):
                                           plan.item_hi, plan.order, plan.key_item0), tables):
             assert got.dtype == ref.dtype and torch.equal(got, ref), (lengths, i, name)
     assert not torch.equal(plans[2].entries, plans[4].entries)  # the calls' ids differ: an alias would show
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(64, 4, 128), (4, 2, 16)])
+def test_packed_short_sequences_take_varlen_flash_gpu(shape):
+    """A packed batch of sequences that fit in topk blocks (one empty) is one varlen FlashAttention call each way
+    (torch.nn.attention.varlen on this torch: M3's 16 and the tiny model's 2 query heads per KV head): output and
+    q/k/v gradients against the fp32 reference within the bf16 bounds, and against SDPA per sequence."""
+    import torch.nn.functional as F
+
+    from rl.model import msa, msa_block_outer as mbo
+
+    hq, hkv, dim = shape
+    assert mbo._varlen(torch.device("cuda"), torch.bfloat16, dim) is not None  # the path under test runs here
+    lengths = [1000, 0, 2048, 300, 744]
+    cu, ids, q, k, v, go = _inputs(lengths, hq, hkv, dim, 16, 0, 1, seed=12, device="cuda", dtype=torch.bfloat16,
+                                   index_dim=64)
+    out = msa.sparse_attention(q, k, v, ids, cu)  # the default dispatch
+    ref = msa.sparse_attention(q, k, v, ids, cu, impl="reference")
+    per_seq = torch.cat([F.scaled_dot_product_attention(*(x[s:e].transpose(0, 1)[None] for x in (q, k, v)),
+                                                        is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+                         for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()) if e > s])
+    got = [out, *torch.autograd.grad(out, (q, k, v), go)]
+    for want, bound in (([ref, *torch.autograd.grad(ref, (q, k, v), go)], (2 ** -6, 5e-3)),
+                        ([per_seq, *torch.autograd.grad(per_seq, (q, k, v), go)], (2 ** -7, 1e-3))):
+        for name, a, b in zip(("out", "dq", "dk", "dv"), want, got):
+            rel_max, rel_norm = _rel(b, a)
+            assert torch.isfinite(b).all() and rel_max <= bound[0] and rel_norm <= bound[1], (shape, name, rel_max,
+                                                                                              rel_norm)
