@@ -196,7 +196,8 @@ def test_short_sequences_are_causal_sdpa():
 
 def test_varlen_flash_only_where_it_runs():
     """The dense path's varlen FlashAttention is taken only for CUDA half-precision inputs of a FlashAttention head
-    dim; its offsets are int32 cumulative lengths, shared by every call of a batch layout."""
+    dim, and for batches where SDPA per sequence would be slower; its offsets are int32 cumulative lengths, shared by
+    every call of a batch layout."""
     from rl.model import msa_block_outer as mbo
 
     cpu = torch.device("cpu")
@@ -204,6 +205,10 @@ def test_varlen_flash_only_where_it_runs():
     cu = mbo._cu_seqlens((250, 256, 77), cpu)
     assert cu.dtype == torch.int32 and cu.tolist() == [0, 250, 506, 583]
     assert mbo._cu_seqlens((250, 256, 77), cpu) is cu
+    # one varlen call from 5 sequences, or for 2-4 of at most 1,024 tokens; SDPA per sequence otherwise
+    assert mbo.prefers_varlen([2048] * 5) and mbo.prefers_varlen([1024, 300])
+    assert not mbo.prefers_varlen([1025, 300]) and not mbo.prefers_varlen([2048] * 4)
+    assert not mbo.prefers_varlen([100])
 
 
 # --- GPU ---------------------------------------------------------------------------------------------------------
@@ -299,14 +304,15 @@ def test_plan_from_cuda_graph_matches_launches_gpu(lengths):
 def test_packed_short_sequences_take_varlen_flash_gpu(shape):
     """A packed batch of sequences that fit in topk blocks (one empty) is one varlen FlashAttention call each way
     (torch.nn.attention.varlen on this torch: M3's 16 and the tiny model's 2 query heads per KV head): output and
-    q/k/v gradients against the fp32 reference within the bf16 bounds, and against SDPA per sequence."""
+    q/k/v gradients against the fp32 reference and against SDPA per sequence within the bf16 bounds."""
     import torch.nn.functional as F
 
     from rl.model import msa, msa_block_outer as mbo
 
     hq, hkv, dim = shape
     assert mbo._varlen(torch.device("cuda"), torch.bfloat16, dim) is not None  # the path under test runs here
-    lengths = [1000, 0, 2048, 300, 744]
+    lengths = [1000, 0, 2048, 300, 744, 1500]
+    assert mbo.prefers_varlen([n for n in lengths if n])
     cu, ids, q, k, v, go = _inputs(lengths, hq, hkv, dim, 16, 0, 1, seed=12, device="cuda", dtype=torch.bfloat16,
                                    index_dim=64)
     out = msa.sparse_attention(q, k, v, ids, cu)  # the default dispatch
@@ -315,9 +321,8 @@ def test_packed_short_sequences_take_varlen_flash_gpu(shape):
                                                         is_causal=True, enable_gqa=True)[0].transpose(0, 1)
                          for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()) if e > s])
     got = [out, *torch.autograd.grad(out, (q, k, v), go)]
-    for want, bound in (([ref, *torch.autograd.grad(ref, (q, k, v), go)], (2 ** -6, 5e-3)),
-                        ([per_seq, *torch.autograd.grad(per_seq, (q, k, v), go)], (2 ** -7, 1e-3))):
+    # SDPA may run another bf16 kernel (cuDNN's on the H200): the same bounds as against the fp32 reference
+    for want in ([x, *torch.autograd.grad(x, (q, k, v), go)] for x in (ref, per_seq)):
         for name, a, b in zip(("out", "dq", "dk", "dv"), want, got):
             rel_max, rel_norm = _rel(b, a)
-            assert torch.isfinite(b).all() and rel_max <= bound[0] and rel_norm <= bound[1], (shape, name, rel_max,
-                                                                                              rel_norm)
+            assert torch.isfinite(b).all() and rel_max <= 2 ** -6 and rel_norm <= 5e-3, (shape, name, rel_max, rel_norm)
