@@ -1,8 +1,9 @@
 """What is allocated at a CUDA step's peak, and which code allocated it.
 
 torch's allocator history (`torch.cuda.memory._record_memory_history`) is replayed to the moment the most memory was
-allocated; the blocks live then are summed by allocation site: the innermost frame in this repo's code, else the
-autograd node whose backward allocated the block (C++ frames), else the innermost frame. The summary is a few KB of
+allocated; the blocks live then are summed by allocation site: the innermost Python frame in this repo's code, else
+the innermost Python frame, else "(no Python frame)" (a block allocated from C++ alone, as a built-in op's backward
+on autograd's thread). The summary is a few KB of
 JSON, so it comes back from the device tool where a full snapshot (hundreds of MB) would not; a snapshot for
 https://pytorch.org/memory_viz can still be written with `torch.cuda.memory._dump_snapshot`.
 
@@ -11,17 +12,19 @@ Used by scripts/train_step_m3.py --memory-peak 1 (one extra, untimed step record
 
 from __future__ import annotations
 
-import re
-
 GB = 1e9
 OURS = ("/rl/", "/quant/", "/scripts/", "/m3/")  # path parts of this repo's code in frame filenames
+NO_FRAME = "(no Python frame)"
 MAX_ENTRIES = 500_000  # allocator events kept (a ring buffer): one M3 slice step makes ~10^4-10^5
 
 
 def start() -> None:
     import torch
 
-    torch.cuda.memory._record_memory_history("all", context="all", stacks="all", max_entries=MAX_ENTRIES)
+    # Python stacks of allocations only: with stacks captured at frees too (context="all", with stacks "all" or
+    # "python"), torch 2.11 on Python 3.12 failed inside the checkpointed recompute of the M3 slice ("LoRALinear.forward
+    # returned NULL without setting an exception", results/gpu/run113-114; run116 ran this form)
+    torch.cuda.memory._record_memory_history("all", context="alloc", stacks="python", max_entries=MAX_ENTRIES)
 
 
 def stop_and_summarize(top: int = 20) -> dict:
@@ -33,18 +36,14 @@ def stop_and_summarize(top: int = 20) -> dict:
 
 
 def site(frames: list[dict]) -> str:
-    """The allocation site of one block, from its frames (innermost first)."""
+    """The allocation site of one block, from its Python frames (innermost first)."""
     for f in frames:
         if any(part in f.get("filename", "") for part in OURS):
             path = f["filename"]
             path = path[max(path.rfind(part) for part in OURS if part in path) + 1:]
             return f"{path}:{f.get('line', 0)} {f.get('name', '?')}"
-    for f in frames:
-        node = re.search(r"(\w+Backward\d*)", f.get("name", ""))
-        if node:
-            return f"autograd {node.group(1)}"
     return f"{frames[0].get('filename', '?')}:{frames[0].get('line', 0)} {frames[0].get('name', '?')}" if frames \
-        else "(no frames)"
+        else NO_FRAME
 
 
 def live_at_peak(trace: list[dict], top: int = 20) -> dict:
