@@ -9,8 +9,9 @@ Each case reports the median (and min/max) over --repeats timed runs after --war
   per-token kernels; flex; reference), its index tables built inside, validation off, backward w.r.t. q, k, v;
   --compare IMPL,... adds fwd and fwd+bwd of other implementations on the same inputs;
 - sdpa_fwd / sdpa_fwd_bwd: `scaled_dot_product_attention(is_causal=True, enable_gqa=True)` per sequence;
-- varlen_fwd_bwd (packed cases, CUDA): the whole batch's dense causal attention as one varlen FlashAttention call
-  (rl.model.msa_block_outer._causal_dense), the path a batch of sequences within topk blocks takes;
+- dense_path_fwd_bwd (packed cases, CUDA): the whole batch's dense causal attention through
+  rl.model.msa_block_outer._causal_dense, the path a batch of sequences within topk blocks takes (one varlen
+  FlashAttention call or SDPA per sequence, by its `prefers_varlen`; runs 110-112 stored it as varlen_fwd_bwd);
 - useful TFLOP/s: the attention FLOPs on the keys each query attends to (its selected blocks, causal; dense: every
   earlier key), 4*D per (query head, key) forward and 3.5x that forward+backward (2 + 5 matmuls), over the time;
 - --sweep LENGTHS: block-outer tile/launch variants (rl.model.msa_block_outer.Config) timed fwd (forward fields) or
@@ -210,8 +211,8 @@ def bench_case(total, packed, args, device, dtype, gen):
             from rl.model import msa_block_outer
 
             dense = lambda: msa_block_outer._causal_dense(q, k, v, lengths, args.dim ** -0.5)  # noqa: E731
-            row["varlen_fwd_bwd"] = timed(lambda: torch.autograd.grad(dense(), (q, k, v), grad_out), args.warmup,
-                                          args.repeats, device)
+            row["dense_path_fwd_bwd"] = timed(lambda: torch.autograd.grad(dense(), (q, k, v), grad_out), args.warmup,
+                                              args.repeats, device)
     n = args.back_to_back
     if n > 0:
         fns = {"msa": run_msa(args.impl, True)}
@@ -360,8 +361,8 @@ def table(report):
             line += f" | b2b {r['msa_fwd_bwd_b2b']['median_ms']:7.2f}"
             if "sdpa_fwd_bwd_b2b" in r:
                 line += f" {r['sdpa_fwd_bwd_b2b']['median_ms']:7.2f} {r['msa_over_sdpa_fwd_bwd_b2b']:.2f}"
-        if "varlen_fwd_bwd" in r:
-            line += f" | varlen f+b {r['varlen_fwd_bwd']['median_ms']:7.2f}"
+        if "dense_path_fwd_bwd" in r:
+            line += f" | dense path f+b {r['dense_path_fwd_bwd']['median_ms']:7.2f}"
         for c in (c for c in report["config"]["compare"].split(",") if c):
             if f"{c}_fwd_bwd" in r:
                 line += f" | {r[f'{c}_fwd_bwd']['median_ms']:8.2f}"

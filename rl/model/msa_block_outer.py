@@ -30,9 +30,9 @@ tail of the item tables is empty rows, launched last, whose programs do no work.
 Measured on one H200 (results/gpu/run81-83, issue18_targets.json; 64 q / 4 KV heads, d 128, top-16, bf16): fwd 7.5-8.1
 ms, fwd+bwd 21.0-21.6 ms at 32K tokens (21.0-21.9 per call back to back, as between a model's layers; per-token kernels
 99 ms, dense causal SDPA 113 ms), 41.8-43.8 ms at 64K (SDPA 449 ms); faster than SDPA from 8K tokens (single sequence);
-at 4K 2.56-2.61 vs SDPA's 2.29-2.32 ms in a single call (host work before the first attention kernel: the plan's graph
+at 4K 2.41-2.61 vs SDPA's 2.29-2.32 ms in a single call (host work before the first attention kernel: the plan's graph
 replay, the forward's descriptors and launch; the kernels alone 2.11 ms, run102; without the plan graph 2.78-2.81 in the
-same process, run100-101) and 2.24-2.26 vs 2.28-2.29 back to back (run101-102). On Hopper the forward and backward are
+same process, run100-101) and 2.22-2.26 vs 2.25-2.33 back to back (run101-112). On Hopper the forward and backward are
 the warp-specialized Gluon kernels of rl.model.msa_block_outer_gluon_ws (4.6 and 9.4 ms at 32K; the unspecialized
 `_fwd_gluon` / `_bwd_gluon` of rl.model.msa_block_outer_gluon and this file's Triton `_fwd` / `_bwd` run where those
 tiles do not fit, and on request, Config.fwd_kernel / bwd_kernel); the merge and dQ sum 4.5 ms (at bandwidth: the cost
