@@ -10,7 +10,7 @@ Each case reports the median (and min/max) over --repeats timed runs after --war
   --compare IMPL,... adds fwd and fwd+bwd of other implementations on the same inputs;
 - sdpa_fwd / sdpa_fwd_bwd: `scaled_dot_product_attention(is_causal=True, enable_gqa=True)` per sequence;
 - dense_path_fwd_bwd (packed cases, CUDA): the whole batch's dense causal attention through
-  rl.model.msa_block_outer._causal_dense, the path a batch of sequences within topk blocks takes (one varlen
+  rl.model.msa_dense.causal_dense, the path a batch of sequences within topk blocks takes (one varlen
   FlashAttention call or SDPA per sequence, by its `prefers_varlen`; runs 110-112 stored it as varlen_fwd_bwd);
 - useful TFLOP/s: the attention FLOPs on the keys each query attends to (its selected blocks, causal; dense: every
   earlier key), 4*D per (query head, key) forward and 3.5x that forward+backward (2 + 5 matmuls), over the time;
@@ -208,9 +208,9 @@ def bench_case(total, packed, args, device, dtype, gen):
         row["sdpa_fwd_bwd_tflops"] = 3.5 * dense_tf / row["sdpa_fwd_bwd"]["median_ms"] * 1e3
         row["msa_over_sdpa_fwd_bwd"] = row["msa_fwd_bwd"]["median_ms"] / row["sdpa_fwd_bwd"]["median_ms"]
         if packed > 1 and device.type == "cuda":
-            from rl.model import msa_block_outer
+            from rl.model import msa_dense
 
-            dense = lambda: msa_block_outer._causal_dense(q, k, v, lengths, args.dim ** -0.5)  # noqa: E731
+            dense = lambda: msa_dense.causal_dense(q, k, v, lengths, args.dim ** -0.5)  # noqa: E731
             row["dense_path_fwd_bwd"] = timed(lambda: torch.autograd.grad(dense(), (q, k, v), grad_out), args.warmup,
                                               args.repeats, device)
     n = args.back_to_back

@@ -18,7 +18,7 @@ time, i.e. tiles of TM x G rows (G = Hq/Hkv query heads of a token share the KV 
   two sums are one launch (`_reduce_grads`).
 - dense prefix: a query at position < topk*128 sees at most topk blocks and (validated ids) selects all of them, so
   its attention is plain causal attention over its sequence's prefix: those tokens go through FlashAttention (one
-  varlen call for all prefixes, `_causal_dense`) when the prefix has >= `dense_prefix_min` tokens, and the kernels
+  varlen call for all prefixes, `rl.model.msa_dense`) when the prefix has >= `dense_prefix_min` tokens, and the kernels
   skip them; a batch whose sequences all fit in topk blocks is that call alone.
 Operands bf16, accumulation fp32, P and dS rounded to the operand type before their MMAs (as FlashAttention and
 rl.model.msa_triton do); partials stored in `part_dtype`. Work items run largest first (LPT) for balance, or by token.
@@ -44,17 +44,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
-import itertools
 import math
 
 import torch
-import torch.nn.functional as F
 
 from m3.ops import MSA_BLOCK as BLOCK  # keys per program
 from rl.model.msa_block_plan import (DEFAULT, Config, Plan, build_plan,  # noqa: F401  (build_plan: re-exported)
                                      dense_prefixes)
-from rl.model.packed import seq_bounds, sequence_group_spans, to_device
+from rl.model.msa_dense import causal_dense
+from rl.model.packed import seq_bounds, sequence_group_spans
 
 try:
     from rl.model.msa_block_outer_gluon import _bwd_gluon, _fwd_gluon
@@ -443,65 +441,10 @@ def _dense_rows(x, prefixes: list, dense_idx: torch.Tensor) -> torch.Tensor:
     return x.index_select(0, dense_idx)
 
 
-# The dense path's choice (results/gpu/run111, H200, 64 q / 4 KV heads, d 128): SDPA per sequence runs cuDNN's
-# kernels there, ~15% faster per FLOP than the varlen FlashAttention-2 kernel, but costs ~0.45 ms of host time per
-# sequence (fwd+bwd) and, through each slice's backward, a full-size gradient per sequence. One varlen call wins from
-# 5 sequences (8 x 2048: 7.5 vs 8.2 ms fwd+bwd) or at <= 1,024 tokens each (2 x 1024: 1.29 vs 1.39, 4 x 1024: 1.54 vs
-# 1.95); SDPA wins for 2-4 longer ones (2 x 1536: 1.45 vs 1.65, 4 x 2048: 3.57 vs 4.01; 4 x 1536: 2.68 vs 2.46, the
-# one case this rule loses).
-VARLEN_MIN_SEQS = 5
-VARLEN_MAX_TOKENS = 1024
-
-
-def prefers_varlen(lengths: list) -> bool:
-    """Whether causal attention over sequences of `lengths` tokens goes as one varlen call (where one can run)."""
-    return len(lengths) >= VARLEN_MIN_SEQS or (len(lengths) > 1 and max(lengths) <= VARLEN_MAX_TOKENS)
-
-
-def _causal_dense(q, k, v, lengths: list, scale: float):
-    """Causal attention of consecutive row spans of q/k/v (`lengths` rows each, covering them): one varlen
-    FlashAttention call on CUDA where torch has one for these inputs (`_varlen`) and the batch is host-bound as SDPA
-    calls (`prefers_varlen`), else SDPA per span."""
-    varlen = _varlen(q.device, q.dtype, q.shape[2]) if prefers_varlen(lengths) else None
-    if varlen is not None:
-        cu = _cu_seqlens(tuple(lengths), q.device)
-        return varlen(q, k, v, cu, cu, max(lengths), max(lengths), scale=scale)
-    outs, start = [], 0
-    for length in lengths:
-        qs, ks, vs = (x[start:start + length].transpose(0, 1)[None] for x in (q, k, v))
-        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
-                                                   enable_gqa=qs.shape[1] != ks.shape[1])[0].transpose(0, 1))
-        start += length
-    return torch.cat(outs) if outs else q.new_empty(0, *q.shape[1:])
-
-
-@functools.lru_cache(maxsize=16)
-def _varlen(device, dtype, dim: int):
-    """torch's causal varlen FlashAttention (torch.nn.attention.varlen) for q/k/v on `device` in `dtype` with head
-    dim `dim`, or None where it cannot run them (CPU, fp32, pre-Ampere, a torch without it). GQA: torch 2.13 asks for
-    enable_gqa=True, 2.11 has no such argument and hands FlashAttention Hq a multiple of Hkv as it is."""
-    if (device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or dim % 8 or dim > 256
-            or torch.cuda.get_device_capability(device)[0] < 8):
-        return None
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    gqa = {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen_attn).parameters else {}
-    return functools.partial(varlen_attn, window_size=(-1, 0), **gqa)
-
-
-@functools.lru_cache(maxsize=16)
-def _cu_seqlens(lengths: tuple, device) -> torch.Tensor:
-    """int32 offsets of consecutive spans on the device, once per batch layout (every layer has the same one).
-    Read-only."""
-    return to_device([0, *itertools.accumulate(lengths)], device, torch.int32)
-
-
 def _dense_prefix(q, k, v, prefixes: list, dense_idx: torch.Tensor, scale: float):
     """The dense prefixes' attention (`Plan.prefixes`, at least one), rows in `Plan.dense_idx` order."""
     qp, kp, vp = (_dense_rows(x, prefixes, dense_idx) for x in (q, k, v))
-    return _causal_dense(qp, kp, vp, [n for _, n in prefixes], scale)
+    return causal_dense(qp, kp, vp, [n for _, n in prefixes], scale)
 
 
 def sparse_attention(q, k, v, block_ids, cu_seqlens, scale: float, config: Config = DEFAULT) -> torch.Tensor:
@@ -510,7 +453,7 @@ def sparse_attention(q, k, v, block_ids, cu_seqlens, scale: float, config: Confi
     if all(e - s <= block_ids.shape[2] * BLOCK for s, e in bounds):
         # Every query sees at most topk blocks and selects them all: the batch is plain causal attention per
         # sequence, no kernels (packed batches of short sequences run as fast as dense, being dense)
-        return _causal_dense(q, k, v, [e - s for s, e in bounds if e > s], scale)
+        return causal_dense(q, k, v, [e - s for s, e in bounds if e > s], scale)
     if triton is None:
         raise RuntimeError("rl.model.msa_block_outer needs Triton (CUDA, or TRITON_INTERPRET=1 for tests)")
     config = _kernels(q, k, config)

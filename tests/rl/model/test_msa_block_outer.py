@@ -194,23 +194,6 @@ def test_short_sequences_are_causal_sdpa():
         assert float((a - b).abs().max() / a.abs().max()) <= 1e-5
 
 
-def test_varlen_flash_only_where_it_runs():
-    """The dense path's varlen FlashAttention is taken only for CUDA half-precision inputs of a FlashAttention head
-    dim, and for batches where SDPA per sequence would be slower; its offsets are int32 cumulative lengths, shared by
-    every call of a batch layout."""
-    from rl.model import msa_block_outer as mbo
-
-    cpu = torch.device("cpu")
-    assert mbo._varlen(cpu, torch.bfloat16, 128) is None and mbo._varlen(cpu, torch.float32, 16) is None
-    cu = mbo._cu_seqlens((250, 256, 77), cpu)
-    assert cu.dtype == torch.int32 and cu.tolist() == [0, 250, 506, 583]
-    assert mbo._cu_seqlens((250, 256, 77), cpu) is cu
-    # one varlen call from 5 sequences, or for 2-4 of at most 1,024 tokens; SDPA per sequence otherwise
-    assert mbo.prefers_varlen([2048] * 5) and mbo.prefers_varlen([1024, 300])
-    assert not mbo.prefers_varlen([1025, 300]) and not mbo.prefers_varlen([2048] * 4)
-    assert not mbo.prefers_varlen([100])
-
-
 # --- GPU ---------------------------------------------------------------------------------------------------------
 
 def _rel(a, b):
@@ -307,12 +290,12 @@ def test_packed_short_sequences_take_varlen_flash_gpu(shape):
     q/k/v gradients against the fp32 reference and against SDPA per sequence within the bf16 bounds."""
     import torch.nn.functional as F
 
-    from rl.model import msa, msa_block_outer as mbo
+    from rl.model import msa, msa_dense
 
     hq, hkv, dim = shape
-    assert mbo._varlen(torch.device("cuda"), torch.bfloat16, dim) is not None  # the path under test runs here
+    assert msa_dense._varlen(torch.device("cuda"), torch.bfloat16, dim) is not None  # the path under test runs here
     lengths = [1000, 0, 2048, 300, 744, 1500]
-    assert mbo.prefers_varlen([n for n in lengths if n])
+    assert msa_dense.prefers_varlen([n for n in lengths if n])
     cu, ids, q, k, v, go = _inputs(lengths, hq, hkv, dim, 16, 0, 1, seed=12, device="cuda", dtype=torch.bfloat16,
                                    index_dim=64)
     out = msa.sparse_attention(q, k, v, ids, cu)  # the default dispatch
