@@ -3,9 +3,9 @@
 torch's allocator history (`torch.cuda.memory._record_memory_history`) is replayed to the moment the most memory was
 allocated; the blocks live then are summed by allocation site: the innermost Python frame in this repo's code, else
 the innermost Python frame, else "(no Python frame)" (a block allocated from C++ alone, as a built-in op's backward
-on autograd's thread). The summary is a few KB of
-JSON, so it comes back from the device tool where a full snapshot (hundreds of MB) would not; a snapshot for
-https://pytorch.org/memory_viz can still be written with `torch.cuda.memory._dump_snapshot`.
+on autograd's thread). The summary is a few KB of JSON, so it comes back from the device tool where a full snapshot
+(hundreds of MB) would not; a snapshot for https://pytorch.org/memory_viz can still be written with
+`torch.cuda.memory._dump_snapshot`.
 
 Used by scripts/train_step_m3.py --memory-peak 1 (one extra, untimed step recorded after the timed ones).
 """
