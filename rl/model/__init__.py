@@ -7,6 +7,8 @@
   routing_replay.py  MoE routing: the trainer's own top-k or the engine's captured choice
   msa.py             MiniMax Sparse Attention: block selection, replay checks, block-sparse attention (torch, flex)
   msa_triton.py      MSA's Triton kernels for the GPU
+  lean.py            memory-lean autograd functions for the per-token fp32 math (norms, router, LM head logprobs)
+  lean_triton.py, swiglu_triton.py, lm_head_triton.py  their Triton kernels on CUDA
   fsdp.py            FSDP2 sharding under torchrun, the full adapter state dict
   synthetic_base.py  a quantized M3-width base without a checkpoint, for GPU benchmarks
 """

@@ -11,7 +11,7 @@ dtype where the forward casts), with fp32 sums in another order.
 
 import torch
 
-from rl.model import lean_triton
+from rl.model import lean_triton, lm_head_triton
 
 ROWS = 8192  # rows per chunk: an fp32 [8192, 8192] intermediate is 256 MB
 
@@ -176,11 +176,18 @@ class _LMHeadLogprobs(torch.autograd.Function):
         jac = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         for a in range(0, h.shape[0], LOGIT_ROWS):
             b, t = a + LOGIT_ROWS, targets[a:a + LOGIT_ROWS, None]
-            logp = (h[a:b] @ w.t()).float().log_softmax(-1)
-            out[a:b] = logp.gather(1, t)[:, 0]
-            if jac is not None:  # -d lp[t] / d logits = softmax - onehot, in the logits' dtype as autograd casts
-                d = logp.exp_().scatter_add_(1, t, torch.full(t.shape, -1.0, dtype=logp.dtype, device=t.device))
-                jac[a:b] = d.to(h.dtype) @ w  # the negated Jacobian (rounding is sign-symmetric): no negation pass
+            logits = h[a:b] @ w.t()
+            if lm_head_triton.usable(logits):  # the same math in one kernel; d written over the logits
+                out[a:b] = lm_head_triton.logprobs_(logits, t[:, 0], jac is not None)
+                d = logits
+            else:
+                logp = logits.float().log_softmax(-1)
+                out[a:b] = logp.gather(1, t)[:, 0]
+                if jac is not None:  # -d lp[t] / d logits = softmax - onehot, in the logits' dtype as autograd casts
+                    d = logp.exp_().scatter_add_(1, t, torch.full(t.shape, -1.0, dtype=logp.dtype, device=t.device))
+                    d = d.to(h.dtype)
+            if jac is not None:
+                jac[a:b] = d @ w  # the negated Jacobian (rounding is sign-symmetric): no negation pass
         ctx.save_for_backward(jac)
         return out
 
@@ -201,7 +208,8 @@ def lm_head_logprobs(h: torch.Tensor, lm_head: torch.Tensor, targets: torch.Tens
     Each row's logprob depends on that row of h alone, so its gradient is g[row] times the row's Jacobian
     (onehot(t) - softmax) @ lm_head. When h needs a gradient the forward forms that Jacobian from the softmax it
     already holds and keeps it [rows, H] in h's dtype (instead of h): two logits-size GEMMs per row, where recomputing
-    the logits in backward took three (at M3's vocab 200064 one of them costs about three layers' forward)."""
+    the logits in backward took three (at M3's vocab 200064 one of them costs about three layers' forward). On CUDA
+    the softmax work between the two GEMMs is one kernel (rl.model.lm_head_triton)."""
     return _LMHeadLogprobs.apply(h, lm_head, targets)
 
 

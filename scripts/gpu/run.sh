@@ -15,14 +15,16 @@
 #                         activation checkpointing on, MoE chunks of C tokens (default 16384); P=1: the time split
 #                         (with the host's ops during the GPU's idle gaps); P=2: also the step's Chrome trace;
 #                         M=1: what is live at the peak of one more step, by allocation site (--memory-peak);
-#                         SLICE_STEPS timed steps (default 2)
+#                         SLICE_STEPS timed steps (default 2) after SLICE_WARMUP untimed ones (default 1)
 #   pairs:L:S:N[:base[:C]]  N rounds of the quantized and the bf16 slice (L layers, S x 16K tokens, SLICE_STEPS timed
-#                         steps, default 4 here) side by side, alternating which goes first; with base: also base/'s
-#                         quantized slice (base/ = another commit's tree, .whl linked) in each round; MoE chunks of C
-#                         tokens as slice's (default 16384; 0: off, e.g. pairs:2:8:2::0). Ratios per round and their
-#                         median in $OUT/pairs.json (scripts/gpu/slice_pairs.py, which refuses slices run differently)
+#                         steps, default 4 here, after SLICE_WARMUP) side by side, alternating which goes first; with
+#                         base: also base/'s quantized slice (base/ = another commit's tree, .whl linked) in each round;
+#                         MoE chunks of C tokens as slice's (default 16384; 0: off, e.g. pairs:2:8:2::0). Ratios per
+#                         round and their median in $OUT/pairs.json (scripts/gpu/slice_pairs.py, which refuses slices
+#                         run differently)
 #   trainer_tests         pytest -m gpu: the trainer fast-paths test (tests/rl/model/test_trainer_gpu.py) and the fused
-#                         SwiGLU and add-norm backward kernels (test_swiglu_triton.py, test_lean_triton.py)
+#                         SwiGLU, add-norm backward and LM head softmax kernels (test_swiglu_triton.py,
+#                         test_lean_triton.py, test_lm_head_triton.py)
 #   block_tests           pytest -m gpu: the block-outer MSA kernels alone (tests/rl/model/test_msa_block_outer.py)
 #   msa_tests             pytest -m gpu: the MSA kernels (block-outer, per-token, flex) and the trainer fast-paths test
 #   ncu_msa[:LEN[:RE]]    Nsight Compute (--set full, clocks left alone) on the Gluon MSA forward and backward of one
@@ -39,8 +41,10 @@
 # there are more than 6 of them. The last lines printed are the summary (tokens/s, MFU, memory, time split).
 source "$(dirname "$0")/lib.sh"
 BUDGET=${RUN_BUDGET_S:-100000}  # seconds for all steps: a step starts only with time left, and is cut to it
-# the trainer's GPU tests: its fast paths end to end and the kernels only it runs (fused SwiGLU, lean backwards)
-TRAINER_GPU_TESTS="tests/rl/model/test_trainer_gpu.py tests/rl/model/test_swiglu_triton.py tests/rl/model/test_lean_triton.py"
+# the trainer's GPU tests: its fast paths end to end and the kernels only it runs (fused SwiGLU, lean backwards, the
+# LM head's softmax)
+TRAINER_GPU_TESTS="tests/rl/model/test_trainer_gpu.py tests/rl/model/test_swiglu_triton.py tests/rl/model/test_lean_triton.py
+  tests/rl/model/test_lm_head_triton.py"
 lim() { local left=$(( BUDGET - SECONDS )); (( left < $1 )) && echo "$left" || echo "$1"; }
 # An Nsight Compute report $OUT/NAME.ncu-rep as text (details; per-SASS-instruction stall samples, which
 # scripts/gpu/ncu_stalls.py reads) in $OUT/NAME.tgz, its headline numbers printed; the report itself is dropped.
@@ -73,8 +77,8 @@ for step in "$@"; do
       name="slice${layers}x${seqs}_${base}$([ "$chunk" != 16384 ] && echo "_c$chunk")"
       (( p == 2 )) && p=1 && trace=(--trace "$OUT/$name.trace.json.gz")
       run "$name" "$(lim 240)" torchrun --nproc-per-node 1 scripts/train_step_m3.py --layers "$layers" --seq-len 16384 \
-          --seqs-per-rank "$seqs" --steps "${SLICE_STEPS:-2}" --base "$base" --shard-base 0 \
-          --moe-chunk-tokens "$chunk" --profile "$p" "${trace[@]}" --memory-peak "${mpeak:-0}" \
+          --seqs-per-rank "$seqs" --steps "${SLICE_STEPS:-2}" --warmup-steps "${SLICE_WARMUP:-1}" --base "$base" \
+          --shard-base 0 --moe-chunk-tokens "$chunk" --profile "$p" "${trace[@]}" --memory-peak "${mpeak:-0}" \
           --out "$OUT/$name.json" ;;
     pairs:*)
       IFS=: read -r _ layers seqs rounds with_base chunk <<< "$step"; chunk=${chunk:-16384}
@@ -86,7 +90,8 @@ for step in "$@"; do
           dir=.; [ "$cfg" = base_quantized ] && dir=base
           (cd "$dir" && run "r${i}_$cfg" "$(lim 150)" torchrun --nproc-per-node 1 scripts/train_step_m3.py \
               --layers "$layers" --seq-len 16384 --seqs-per-rank "$seqs" --steps "${SLICE_STEPS:-4}" \
-              --base "${cfg#base_}" --shard-base 0 --moe-chunk-tokens "$chunk" --out "$out/r${i}_$cfg.json")
+              --warmup-steps "${SLICE_WARMUP:-1}" --base "${cfg#base_}" --shard-base 0 --moe-chunk-tokens "$chunk" \
+              --out "$out/r${i}_$cfg.json")
         done
       done
       python3 scripts/gpu/slice_pairs.py "$out" --out "$OUT/pairs.json" \
