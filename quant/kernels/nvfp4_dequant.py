@@ -37,13 +37,6 @@ from quant.kernels.e2m1_asm import triton_decoders
 __all__ = ["CHUNK_EXPERTS", "nvfp4_dequantize", "dequant_fwd", "dequant_dgrad"]
 
 CHUNK_EXPERTS = 8  # 8 x 6144 x 6144 bf16 = 0.6 GB per buffer at M3's gate_up
-# Each expert's GEMM runs on a multiple of ROW_QUANTUM rows. cuBLAS picks a kernel per problem shape and caches the
-# pick; the rows per expert change with the routing at every step, and a shape it has not seen costs 250-350 us of
-# host time before the launch (~40 us when cached; run105's trace: half the forward's and a quarter of the input
-# gradient's per-expert calls of a step). A GEMM that writes (beta = 0) takes up to ROW_QUANTUM - 1 rows of the
-# next experts along, whose own GEMMs overwrite them later on the stream; one that adds to its output (beta = 1)
-# is split into a multiple of ROW_QUANTUM rows and the rest, which has ROW_QUANTUM possible shapes.
-ROW_QUANTUM = 32
 
 
 # The decode kernel's tiles: ROWS rows of 64 codes of the flat code stream per program, WARPS warps (4 x 64 rows: 4
@@ -208,21 +201,13 @@ def _run(inp, packed, scale, gs_host, bounds, dgrad, chunk, overlap, decoded=Non
         out = torch.empty(inp.shape[0], 2 * kh if dgrad else n, dtype=torch.bfloat16, device=inp.device)
     inp = inp.contiguous()
     chunks = [(0, e_total, decoded)] if decoded is not None else _chunks(packed, scale, bounds, chunk, overlap, into)
-    q, total = ROW_QUANTUM, bounds[-1]
     for e0, e1, buf in chunks:
         for e in range(e0, e1):
             lo, hi = bounds[e], bounds[e + 1]
             if hi > lo:
                 w = buf[e - e0]
-                w = w if dgrad else w.t()
-                if beta == 0:  # the output slice is not read (torch.addmm's contract), only written
-                    end = min(lo + (hi - lo + q - 1) // q * q, total)  # rows past hi: later experts' (ROW_QUANTUM)
-                    out[lo:end].addmm_(inp[lo:end], w, beta=0, alpha=gs_host[e])
-                    continue
-                mid = lo + (hi - lo) // q * q
-                for a, b in ((lo, mid), (mid, hi)):
-                    if b > a:
-                        out[a:b].addmm_(inp[a:b], w, beta=1, alpha=gs_host[e])
+                # beta=0: the output slice is not read (torch.addmm's contract), only written; 1: added to
+                out[lo:hi].addmm_(inp[lo:hi], w if dgrad else w.t(), beta=beta, alpha=gs_host[e])
     return out
 
 

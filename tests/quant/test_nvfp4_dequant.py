@@ -122,36 +122,3 @@ def test_input_gradient_accumulates_into_a_given_tensor():
     for bad in (acc.float(), acc[:-1].clone(), acc.t().contiguous().t()):
         with pytest.raises(ValueError, match="accumulate"):
             dequant_dgrad(dy, packed, scale, gs.tolist(), bounds, accumulate=bad)
-
-
-def test_expert_gemms_run_on_whole_quanta_of_rows(monkeypatch):
-    """ROW_QUANTUM: a writing GEMM (forward, input gradient) takes rows of the next experts along up to a multiple of
-    the quantum (the last expert excepted), an adding one (accumulate=) splits into a multiple and the rest; the
-    results equal those of one GEMM per expert on exactly its rows (ROW_QUANTUM = 1)."""
-    from quant.kernels import nvfp4_dequant
-
-    g = torch.Generator().manual_seed(9)
-    e, n, k = 5, 24, 32
-    packed = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, generator=g)
-    scale = torch.randint(0x28, 0x48, (e, n, k // 16), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
-    gs = (torch.rand(e, generator=g) * 0.01 + 1e-3).tolist()
-    bounds = moe.expert_offsets(torch.tensor([7, 0, 0, 12, 3])).tolist()
-    x = torch.randn(bounds[-1], k, generator=g).bfloat16()
-    dy = torch.randn(bounds[-1], n, generator=g).bfloat16()
-    acc = (torch.randn(bounds[-1], k, generator=g) * 0.05).bfloat16()
-    rows, addmm = [], torch.Tensor.addmm_
-    monkeypatch.setattr(torch.Tensor, "addmm_", lambda o, a, b, **kw: rows.append(a.shape[0]) or addmm(o, a, b, **kw))
-
-    def run(quantum):
-        monkeypatch.setattr(nvfp4_dequant, "ROW_QUANTUM", quantum)
-        rows.clear()
-        out = [dequant_fwd(x, packed, scale, gs, bounds), dequant_dgrad(dy, packed, scale, gs, bounds),
-               dequant_dgrad(dy, packed, scale, gs, bounds, accumulate=acc.clone())]
-        return out, list(rows)
-
-    exact, exact_rows = run(1)
-    got, got_rows = run(4)
-    assert exact_rows == [7, 12, 3] * 3
-    assert got_rows == [8, 12, 3] * 2 + [4, 3, 12, 3]  # expert 0's 8th row is expert 3's first, rewritten after
-    for a, b in zip(got, exact):
-        assert torch.equal(a, b)
