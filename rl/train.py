@@ -40,7 +40,7 @@ from rl.model import ForwardStats
 from rl.model.fsdp import full_adapter_state_dict
 from rl.model.lora import write_adapter
 from rl.rewards import compute_score
-from rl.session import Session
+from rl.session import Session, freeze_heap
 
 register()
 
@@ -269,6 +269,7 @@ def run(s: Session) -> dict:
     s.log(f"eval before: {summary['eval_before']}")
     logger.log_eval(start, summary["eval_before"])
     nan_streak, samples, evaluated = 0, None, None
+    freeze_heap()
     for step in range(start + 1, c.trainer.total_training_steps + 1):
         metrics = {**grpo_step(s, step), "engine/restarts": s.engine_restarts}
         samples = metrics.pop("samples", None) or samples

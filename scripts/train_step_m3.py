@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import gc
 import json
 import os
 import statistics
@@ -57,6 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--lora-rank", type=int, default=32)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gc-freeze", type=int, choices=(0, 1), default=1,
+                   help="freeze the Python heap after the build, as rl.train does before its steps (0: the cyclic "
+                        "collector's full passes scan it, ~0.2 s each at steps of their own choosing)")
     p.add_argument("--profile", type=int, choices=(0, 1), default=0,
                    help="one more step under torch.profiler: GPU time split into expert / attention / projections / "
                         "LM head / other (forward, recompute and backward together)")
@@ -328,6 +332,21 @@ def profile_step(model, optimizer, batch, token_adv, device, trace: str | None =
             "analysis_s": round(time.perf_counter() - t0, 1)}
 
 
+class GcClock:
+    """Seconds in Python's cyclic collector and its passes per generation, from gc.callbacks."""
+
+    def __init__(self):
+        self.seconds, self.passes, self._t = 0.0, [0, 0, 0], 0.0
+        gc.callbacks.append(self._tick)
+
+    def _tick(self, phase, info):
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t
+            self.passes[info["generation"]] += 1
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from torch.distributed.device_mesh import init_device_mesh
@@ -347,7 +366,11 @@ def main(argv=None) -> int:
     lora_bytes = local_bytes(params)
     optimizer = torch.optim.AdamW(params, lr=1e-5)
     batch, token_adv = make_batch(args, t, rank, device)
-    times, losses, mems = [], [], []
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
+    clock = GcClock()
+    times, losses, mems, gc_s = [], [], [], []
     alloc_keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
     alloc0 = {}
     for i in range(args.warmup_steps + args.steps):
@@ -355,16 +378,19 @@ def main(argv=None) -> int:
         sync()
         if cuda and i == args.warmup_steps:  # the caching allocator's device calls over the timed steps (each
             alloc0 = {k: torch.cuda.memory_stats().get(k, 0) for k in alloc_keys}  # cudaMalloc/Free can sync)
-        s0 = time.perf_counter()
+        s0, g0 = time.perf_counter(), clock.seconds
         losses.append(step(model, optimizer, batch, token_adv, device, mem))
         sync()
         times.append(time.perf_counter() - s0)
+        gc_s.append(clock.seconds - g0)
+        if i + 1 == args.warmup_steps:
+            clock.passes = [0, 0, 0]
         if mem is not None:
             mems.append(mem)
     timed = times[args.warmup_steps:]
     mine = {"rank": rank, "build_s": round(build_s, 2), "step_s": [round(x, 3) for x in times],
             "base_local_gb": base_bytes / GB, "packed_local_gb": packed_bytes / GB, "lora_local_gb": lora_bytes / GB,
-            "loss": losses,
+            "loss": losses, "gc_s": [round(x, 3) for x in gc_s], "gc_passes_timed_steps": clock.passes,
             "finite": all(map(lambda x: x == x and abs(x) != float("inf"), losses))}
     if cuda:
         peak = max(max(m["forward_peak"], m["backward_peak"]) for m in mems)

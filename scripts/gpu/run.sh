@@ -15,7 +15,8 @@
 #                         activation checkpointing on, MoE chunks of C tokens (default 16384); P=1: the time split
 #                         (with the host's ops during the GPU's idle gaps); P=2: also the step's Chrome trace;
 #                         M=1: what is live at the peak of one more step, by allocation site (--memory-peak);
-#                         SLICE_STEPS timed steps (default 2) after SLICE_WARMUP untimed ones (default 1)
+#                         SLICE_STEPS timed steps (default 2) after SLICE_WARMUP untimed ones (default 1); GC_FREEZE=0:
+#                         the Python heap left unfrozen (train_step_m3.py --gc-freeze)
 #   pairs:L:S:N[:base[:C]]  N rounds of the quantized and the bf16 slice (L layers, S x 16K tokens, SLICE_STEPS timed
 #                         steps, default 4 here, after SLICE_WARMUP) side by side, alternating which goes first; with
 #                         base: also base/'s quantized slice (base/ = another commit's tree, .whl linked) in each round;
@@ -79,7 +80,7 @@ for step in "$@"; do
       run "$name" "$(lim 240)" torchrun --nproc-per-node 1 scripts/train_step_m3.py --layers "$layers" --seq-len 16384 \
           --seqs-per-rank "$seqs" --steps "${SLICE_STEPS:-2}" --warmup-steps "${SLICE_WARMUP:-1}" --base "$base" \
           --shard-base 0 --moe-chunk-tokens "$chunk" --profile "$p" "${trace[@]}" --memory-peak "${mpeak:-0}" \
-          --out "$OUT/$name.json" ;;
+          --gc-freeze "${GC_FREEZE:-1}" --out "$OUT/$name.json" ;;
     pairs:*)
       IFS=: read -r _ layers seqs rounds with_base chunk <<< "$step"; chunk=${chunk:-16384}
       out="$OUT/pairs"; mkdir -p "$out"
@@ -91,7 +92,7 @@ for step in "$@"; do
           (cd "$dir" && run "r${i}_$cfg" "$(lim 150)" torchrun --nproc-per-node 1 scripts/train_step_m3.py \
               --layers "$layers" --seq-len 16384 --seqs-per-rank "$seqs" --steps "${SLICE_STEPS:-4}" \
               --warmup-steps "${SLICE_WARMUP:-1}" --base "${cfg#base_}" --shard-base 0 --moe-chunk-tokens "$chunk" \
-              --out "$out/r${i}_$cfg.json")
+              --gc-freeze "${GC_FREEZE:-1}" --out "$out/r${i}_$cfg.json")
         done
       done
       python3 scripts/gpu/slice_pairs.py "$out" --out "$OUT/pairs.json" \

@@ -4,16 +4,19 @@ generate starts. With a restart left (rollout.max_restarts) the engine is rebuil
 the step finishes; without, the step fails naming the engine, its dead process and the cause, and the last
 checkpoint stays as it was."""
 
+import gc
 import json
 import os
 import signal
 import threading
+import weakref
 
 import psutil
 import pytest
 
 from m3.tiny import ensure_tiny_model
 from rl import checkpointing
+from rl import session as rl_session
 from tests.rl.test_train import compose_cfg, fast_overrides
 
 
@@ -69,9 +72,14 @@ def test_dead_engine_core_is_rebuilt_once_then_fails_the_step_naming_it(mp_sessi
     ckpt = checkpointing.step_dirs(s.run_dir)[0]
     manifest = (ckpt / "manifest.json").read_bytes()
 
-    # 1. a restart left: rebuilt, the adapter the trainer holds reinstalled, the step done
+    # 1. a restart left: rebuilt, the adapter the trainer holds reinstalled, the step done; the dropped engine freed
+    # although the heap was frozen (as rl.train's loop freezes it: frozen cycles are never collected), the heap
+    # frozen again with the new engine
+    rl_session.freeze_heap()
+    dropped, frozen = weakref.ref(s.engine.llm), gc.get_freeze_count()
     pid, metrics = kill_as_it_starts(lambda: train.grpo_step(s, 2))
     assert s.engine_restarts == 1 and engine_core().pid != pid
+    assert dropped() is None and gc.get_freeze_count() > frozen
     assert metrics["train/skipped_nonfinite"] == 0.0 and metrics["sync/rank_checksums"] == [metrics["sync/checksum"]]
     assert s.engine.verify_adapter(*s.adapter())["installed_equals_held"]  # the new engine holds step 2's adapter
 

@@ -55,6 +55,8 @@ def test_launcher_two_gloo_ranks(tmp_path):
     assert r["world_size"] == 2 and r["shape"]["num_hidden_layers"] == 2 and r["shape"]["hidden_size"] == 256
     assert r["tokens_per_step"] == 2 * 2 * 260 and r["tokens_per_s"] > 0
     assert all(x["finite"] and len(x["step_s"]) == 2 for x in r["ranks"])
+    # Python's collector timed per step (gc.callbacks), its passes counted over the timed steps
+    assert all(len(x["gc_s"]) == 2 and len(x["gc_passes_timed_steps"]) == 3 for x in r["ranks"])
     # --shard-base 1 (default): each rank holds about half of the packed NVFP4/MXFP8 bytes the other run replicates
     replicated = _launch(tmp_path, "--shard-base", "0")["ranks"][0]["packed_local_gb"]
     sharded = [x["packed_local_gb"] for x in r["ranks"]]
