@@ -35,9 +35,9 @@ class _AddNorm(torch.autograd.Function):
         normed, res = torch.empty_like(x), torch.empty_like(x)
         rs = torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
         for a, b in row_chunks(x.shape[0]):
-            total = x[a:b].float() + residual[a:b].float()
+            total = x[a:b].float() + residual[a:b]  # the fp32 operand promotes the other: one cast pass fewer
             rs[a:b] = _rms(total, eps)
-            normed[a:b] = total * rs[a:b] * w1
+            torch.mul(total * rs[a:b], w1, out=normed[a:b])  # fp32 product rounded once on the store, no copy
             res[a:b] = total
         ctx.save_for_backward(x, residual, w1, rs)
         return normed, res
@@ -197,7 +197,7 @@ class _LMHeadLogprobs(torch.autograd.Function):
         (jac,) = ctx.saved_tensors
         gh = torch.empty_like(jac)
         for a, b in row_chunks(jac.shape[0]):
-            gh[a:b] = jac[a:b].float() * -g[a:b, None]
+            torch.mul(jac[a:b], -g[a:b, None], out=gh[a:b])  # in fp32 (g's dtype), rounded once on the store
         return gh, None, None
 
 
@@ -222,8 +222,8 @@ class _WeightedRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, w):  # noqa: D102
         out = torch.empty(y.shape, dtype=torch.float32, device=y.device)
-        for a, b in row_chunks(y.shape[0]):
-            out[a:b] = y[a:b].float() * w[a:b, None]
+        for a, b in row_chunks(y.shape[0]):  # fp32 w promotes: fp32(y) * w in one pass, no fp32(y) copy
+            torch.mul(y[a:b], w[a:b, None].float(), out=out[a:b])
         ctx.save_for_backward(y, w)
         return out
 
@@ -248,7 +248,7 @@ class _WeightedSum(torch.autograd.Function):
     def forward(ctx, y, w, tok, num_tokens):  # noqa: D102
         out = torch.zeros(num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
         for a, b in row_chunks(y.shape[0]):
-            out.index_add_(0, tok[a:b], y[a:b].float() * w[a:b, None])
+            out.index_add_(0, tok[a:b], y[a:b] * w[a:b, None].float())  # fp32 w promotes: no fp32(y) copy
         ctx.save_for_backward(y, w, tok)
         return out
 

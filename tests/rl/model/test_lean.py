@@ -125,3 +125,17 @@ def test_lm_head_logprobs_without_grad_keeps_nothing(monkeypatch):
     n_plain, calls[:] = len(calls), []
     assert torch.equal(plain, lean.lm_head_logprobs(h.requires_grad_(), w, t).detach())
     assert (n_plain, len(calls)) == (3, 6)  # one GEMM per chunk without a gradient, two with
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weighted_rows_and_sum(dtype):
+    """The routed experts' fp32 weighted rows and their per-token sum, bit-equal to fp32(y) * w (one fp32 product
+    per element however the promotion is spelled), gradients as autograd's."""
+    g = torch.Generator().manual_seed(8)
+    y = torch.randn(30, 64, generator=g).to(dtype)
+    w = torch.rand(30, generator=g)
+    tok = torch.randint(0, 11, (30,), generator=g)
+    bound = 1e-6 if dtype == torch.float32 else 1e-2
+    _check(lambda a: lean.weighted_rows(a, w), lambda a: a.float() * w[:, None], [y], dtype, bound)
+    _check(lambda a: lean.weighted_sum(a, w, tok, 11),
+           lambda a: torch.zeros(11, 64).index_add(0, tok, a.float() * w[:, None]), [y], dtype, bound)
