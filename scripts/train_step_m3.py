@@ -367,8 +367,9 @@ def main(argv=None) -> int:
     optimizer = torch.optim.AdamW(params, lr=1e-5)
     batch, token_adv = make_batch(args, t, rank, device)
     if args.gc_freeze:
-        gc.collect()
-        gc.freeze()
+        from rl.session import freeze_heap
+
+        freeze_heap()
     clock = GcClock()
     times, losses, mems, gc_s = [], [], [], []
     alloc_keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")

@@ -13,9 +13,9 @@ Same formula and rounding points as torch's CUDA ops: the row max, the sum of ex
 rounding to the logits' dtype. Only the sum's order differs (tests/rl/model/test_lm_head_triton.py).
 """
 
-import os
-
 import torch
+
+from rl.model.swiglu_triton import EXPF as LIBDEVICE  # CUDA's expf / logf there; the CPU interpreter has no libdevice
 
 try:  # CPU installs run without Triton; the torch chain is the path there
     import triton
@@ -27,8 +27,6 @@ except ImportError:  # pragma: no cover
     triton = None
 
 BLOCK = 4096  # vocab columns per step of a row's loops
-# CUDA's expf / logf (libdevice, as torch's ops); Triton's CPU interpreter (the CPU tests) has no libdevice
-LIBDEVICE = os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def usable(logits: torch.Tensor) -> bool:
