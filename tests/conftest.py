@@ -18,6 +18,8 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+from tests.triton_interpreter import SITES as TRITON_SITES  # noqa: E402
+
 if PARALLEL and "torch" in sys.modules:  # imported by a plugin
     sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
@@ -28,6 +30,12 @@ RUN_FIRST = ("tests/rl/test_train_learns.py::",)
 
 def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: not item.nodeid.startswith(RUN_FIRST))  # stable sort: otherwise collection order
+
+
+@pytest.fixture(params=list(TRITON_SITES))
+def triton_version(request) -> str:
+    """Each Triton the trainer's torch releases require (tests/triton_interpreter.py), for the kernel tests."""
+    return request.param
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,11 @@
-"""Run Python with the full Triton that scripts/install/setup_env.sh puts outside site-packages (interpreter-only
+"""Run Python with a full Triton that scripts/install/setup_env.sh puts outside site-packages (interpreter-only
 installs of torch carry none), in a subprocess: a test file's `__main__` block under Triton's CPU interpreter
 (TRITON_INTERPRET=1; its last stdout line is the kernels' JSON report), or a script that compiles kernels for a GPU
-without running them."""
+without running them.
+
+The trainer's kernels must work with the Triton of every torch it supports, 2.11 through 2.14; tests run under each
+(the `triton_version` fixture of tests/conftest.py). Triton 3.6.0 (torch 2.11) is the H200's, where the kernels'
+speed was measured."""
 
 import json
 import os
@@ -10,13 +14,19 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-INTERPRETER_SITE = ROOT / ".venv" / "triton-interpret"
+MEASURED = "3.6.0"
+SITES = {  # Triton version -> its `pip install --target` folder; the torch releases that require it
+    MEASURED: ROOT / ".venv" / "triton-interpret",  # torch 2.11
+    "3.7.1": ROOT / ".venv" / "triton-3.7.1",  # torch 2.13 (2.12: 3.7.0)
+    "3.8.0": ROOT / ".venv" / "triton-3.8.0",  # torch 2.14, the GPU profile's
+}
 
 
-def run_with_triton(script: str, *args: str, interpret: bool) -> str:
-    """stdout of `python script args` from the repo root with that Triton first on the path."""
-    assert (INTERPRETER_SITE / "triton").is_dir(), f"{INTERPRETER_SITE} missing: run scripts/install/setup_env.sh"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(INTERPRETER_SITE), str(ROOT)]))
+def run_with_triton(script: str, *args: str, interpret: bool, triton: str = MEASURED) -> str:
+    """stdout of `python script args` from the repo root with Triton `triton` first on the path."""
+    site = SITES[triton]
+    assert (site / "triton").is_dir(), f"{site} missing: run scripts/install/setup_env.sh"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(ROOT)]))
     env.pop("TRITON_INTERPRET", None)
     if interpret:
         env["TRITON_INTERPRET"] = "1"
@@ -25,5 +35,5 @@ def run_with_triton(script: str, *args: str, interpret: bool) -> str:
     return p.stdout
 
 
-def run_under_interpreter(test_file: str, *args: str) -> dict:
-    return json.loads(run_with_triton(test_file, *args, interpret=True).strip().splitlines()[-1])
+def run_under_interpreter(test_file: str, *args: str, triton: str = MEASURED) -> dict:
+    return json.loads(run_with_triton(test_file, *args, interpret=True, triton=triton).strip().splitlines()[-1])

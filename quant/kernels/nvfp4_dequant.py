@@ -78,7 +78,11 @@ def _kernel():
                 ok = wi < 2 * groups
                 p32 = tl.load(w_ptr + wi, mask=ok, other=0)
                 sb = scale_bf16(tl.load(s_ptr + wi // 2, mask=ok, other=0), False)
-            w = tl.reshape(tl.permute(decode_words(p32, sb, False), (1, 0, 2, 3, 4)), (R, 64))
+            # Stored as decoded, [8, R, 8] (word, row, code): no permute, so every Triton from 3.6 on keeps each
+            # thread's 8 codes in its registers through the store (3.7 and 3.8 moved a permuted tile through
+            # shared memory).
+            w = tl.reshape(decode_words(p32, sb, False), (8, R, 8))
+            o = r[None, :, None] * 64 + tl.arange(0, 8)[:, None, None] * 8 + tl.arange(0, 8)[None, None, :]
         else:  # written out here: the interpreter does not see jit helpers defined in this closure
             pi = r[:, None] * 32 + tl.arange(0, 32)[None, :]
             q = tl.load(p_ptr + pi, mask=pi < 8 * groups, other=0).to(tl.int32)
@@ -105,7 +109,7 @@ def _kernel():
             lo = tl.reshape(lo.to(tl.float32, bitcast=True), (R, 4, 8)) * s[:, :, None]
             hi = tl.reshape(hi.to(tl.float32, bitcast=True), (R, 4, 8)) * s[:, :, None]
             w = tl.reshape(tl.interleave(lo, hi), (R, 64)).to(tl.bfloat16)
-        o = r[:, None] * 64 + tl.arange(0, 64)[None, :]
+            o = r[:, None] * 64 + tl.arange(0, 64)[None, :]
         if EVEN:
             tl.store(out_ptr + o, w)
         else:

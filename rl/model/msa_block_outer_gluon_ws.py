@@ -44,6 +44,9 @@ if gluon is not None:
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    # Triton 3.7 (torch 2.12 on) renamed Gluon's CTA-wide barrier from thread_barrier to barrier.
+    _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+
     from rl.model.msa_block_outer_gluon import (_bwd_init, _bwd_layouts, _bwd_smem, _bwd_tile, _copy_tile,
                                                 _entry_rows, _item, _item_kv, _store_dkdv, _store_dq)
 else:
@@ -339,7 +342,7 @@ if gluon is not None:
         it, h, lo, hi, k0, d = _item_kv(order_ptr, key_ptr, lo_ptr, hi_ptr, kstart_ptr, k_ptr, v_ptr, k_s, v_s, T, NKB,
                                         HKV, D, BN, gl.SliceLayout(1, ld), gl.SliceLayout(0, ld))
         async_copy.wait_group(0)
-        gl.thread_barrier()  # every thread's K/V copies, before either partition starts
+        _cta_barrier()  # every thread's K/V copies, before either partition starts
         n_tiles = (hi - lo + TM - 1) // TM
         gl.warp_specialize([
             (_bwd_ws_math, (k_s, v_s, q_s, do_s, ds_s, dq_s, e_s, lse_s, dl_s, ready, empty, ent_ptr, dq_ptr, dq_desc,

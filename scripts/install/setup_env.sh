@@ -31,6 +31,10 @@ case "$profile" in
     # Triton only for its interpreter (TRITON_INTERPRET=1), outside site-packages so vLLM/torch never import it:
     # tests run the GPU kernels' logic on CPU in a subprocess with this on PYTHONPATH (tests/rl/model/test_msa_triton.py).
     "$pip" install -q --no-deps --target "$venv/triton-interpret" "triton==3.6.0"
+    # The Tritons of the other torch releases the trainer supports (2.12: 3.7.0, 2.13: 3.7.1, 2.14 = the GPU profile:
+    # 3.8.0; 2.11 = the H200's: 3.6.0 above): tests compile every kernel for sm_90 and interpret them under each
+    # (tests/triton_interpreter.py).
+    for v in 3.7.1 3.8.0; do "$pip" install -q --no-deps --target "$venv/triton-$v" "triton==$v"; done
     ;;
   gpu)
     "$pip" install -q -r requirements/gpu.txt

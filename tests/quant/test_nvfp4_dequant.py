@@ -44,8 +44,8 @@ if __name__ == "__main__":  # the interpreter subprocess
     sys.exit(0)
 
 
-def test_decode_under_the_interpreter_is_bit_exact():
-    cases = run_under_interpreter(__file__)
+def test_decode_under_the_interpreter_is_bit_exact(triton_version):
+    cases = run_under_interpreter(__file__, triton=triton_version)
     assert set(cases) == {"every_byte", "partial_row"}, cases
     for r in cases.values():
         assert r["same_nan"] and r["bits_equal"], cases

@@ -86,8 +86,9 @@ def _check(report, bf16_bound):
             assert r <= (1e-6 if name.startswith("float32") else bf16_bound), (name, r)
 
 
-def test_row_backwards_under_the_interpreter_match_torch():
-    _check(run_under_interpreter(__file__), 8e-3)  # the interpreter truncates casts to bf16: up to 2 roundings apart
+def test_row_backwards_under_the_interpreter_match_torch(triton_version):
+    # the interpreter truncates casts to bf16: up to 2 roundings apart
+    _check(run_under_interpreter(__file__, triton=triton_version), 8e-3)
 
 
 @pytest.mark.gpu

@@ -74,8 +74,8 @@ def _check(report, logp_bound):
             assert r >= 0.99, (name, r)
 
 
-def test_logprobs_kernel_under_the_interpreter_matches_torch():
-    _check(run_under_interpreter(__file__), 2e-6)
+def test_logprobs_kernel_under_the_interpreter_matches_torch(triton_version):
+    _check(run_under_interpreter(__file__, triton=triton_version), 2e-6)
 
 
 @pytest.mark.gpu

@@ -93,8 +93,8 @@ if __name__ == "__main__":  # the interpreter subprocess
     sys.exit(0)
 
 
-def test_block_outer_under_the_interpreter_matches_reference():
-    report = run_under_interpreter(__file__)
+def test_block_outer_under_the_interpreter_matches_reference(triton_version):
+    report = run_under_interpreter(__file__, triton=triton_version)
     print(json.dumps(report, indent=1))
     assert set(report) == set(CASES)
     for name, r in report.items():

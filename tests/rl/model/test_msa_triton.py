@@ -68,15 +68,15 @@ if __name__ == "__main__":  # the interpreter subprocess: `python FILE selection
     sys.exit(0)
 
 
-def test_selection_kernel_under_the_interpreter_matches_reference():
+def test_selection_kernel_under_the_interpreter_matches_reference(triton_version):
     # Index scores of bf16 values summed in fp32 (exactly, under the interpreter): the same blocks everywhere.
-    assert run_under_interpreter(__file__, "selection") == {"agreement": 1.0, "same_shape": True,
-                                                             "positions_given_equal": True}
+    report = run_under_interpreter(__file__, "selection", triton=triton_version)
+    assert report == {"agreement": 1.0, "same_shape": True, "positions_given_equal": True}
 
 
 @pytest.mark.slow
-def test_attention_kernels_under_the_interpreter_match_reference():
-    report = run_under_interpreter(__file__, "attention")
+def test_attention_kernels_under_the_interpreter_match_reference(triton_version):
+    report = run_under_interpreter(__file__, "attention", triton=triton_version)
     print(json.dumps(report, indent=1))
     assert set(report) == set(CASES)
     for name, r in report.items():

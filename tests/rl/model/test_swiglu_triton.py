@@ -79,8 +79,8 @@ def _check(report: dict) -> None:
         assert r["grad_rel_fused"] <= 4e-3, (name, r)
 
 
-def test_fused_swiglu_under_the_interpreter_matches_eager():
-    _check(run_under_interpreter(__file__))
+def test_fused_swiglu_under_the_interpreter_matches_eager(triton_version):
+    _check(run_under_interpreter(__file__, triton=triton_version))
 
 
 @pytest.mark.gpu
