@@ -23,6 +23,8 @@ def neox_rope(x: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int) -> torch.
 def swigluoai_uninterleave(gate_up: torch.Tensor, alpha: float, limit: float, beta: float = 1.0) -> torch.Tensor:
     """M3's MoE activation on `[gate | up]` halves: `g*sigmoid(alpha*g)*(u+beta)` with g<=limit, |u|<=limit."""
     gate, up = gate_up.chunk(2, dim=-1)
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
+    # clamp's values, with the gradient passed at the limits themselves on every torch (2.14 made clamp's gradient 0
+    # there; the fused kernels of rl.model.swiglu_triton pass it, as torch did before); NaN propagates as in clamp
+    gate = torch.where(gate > limit, limit, gate)
+    up = torch.where(up > limit, limit, torch.where(up < -limit, -limit, up))
     return gate * torch.sigmoid(alpha * gate) * (up + beta)
