@@ -16,6 +16,7 @@ in, one replay, the tables cloned out.
 from __future__ import annotations
 
 import functools
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -183,8 +184,8 @@ def build_plan(block_ids: torch.Tensor, cu_seqlens, config: Config = DEFAULT) ->
     ne = t_count * hkv * topk
     n_max = hkv * nkb + -(-ne // config.item_tokens)  # each key adds < 1 item to its share of ceil(NE / item_tokens)
     args = (block_ids, seq_d, nseq, nkb, n_max, config)
-    if triton is None:
-        tables = _plan_torch(*args)
+    if triton is None or not (block_ids.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        tables = _plan_torch(*args)  # (CPU tensors where Triton is installed, e.g. the GPU profile's CPU tests)
     elif (config.plan_graphs and block_ids.is_cuda and 0 < ne <= GRAPH_MAX_ENTRIES
           and not torch.cuda.is_current_stream_capturing()):  # (inside a caller's own capture: launched)
         tables = _split_tables(_plan_graphed(bounds, *args), block_ids.shape, nkb, n_max, config)
