@@ -1,10 +1,10 @@
 """rl.model.lean_triton (the add + RMSNorm, q/k norm + RoPE and weighted-rows backwards) against rl.model.lean's
 torch backwards.
 
-CPU: the kernel under Triton's interpreter (subprocess with .venv/triton-interpret), fp32 inputs (bound: fp32 sums
-in another order) and bf16 (the roundings), a row width that is not a power of two, each incoming gradient alone;
-partial rotary channels (rot < D); the weighted rows' gradient bit-equal where torch makes one product and one
-rounding, the weight's as fp32 sums.
+CPU: the kernel under Triton's interpreter (a subprocess under each supported Triton, tests/triton_interpreter.py), fp32
+inputs (bound: fp32 sums in another order) and bf16 (the roundings), a row width that is not a power of two, each
+incoming gradient alone; partial rotary channels (rot < D); the weighted rows' gradient bit-equal where torch makes one
+product and one rounding, the weight's as fp32 sums.
 GPU (`-m gpu`): the same at M3's sizes (hidden 6144; 64 heads of 128, 64 rotary channels), 4099 rows.
 """
 

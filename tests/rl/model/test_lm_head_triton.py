@@ -1,9 +1,9 @@
 """rl.model.lm_head_triton (the LM head's log-softmax and softmax - onehot in one kernel) against rl.model.lean's
 torch chain, and lm_head_logprobs with it against lm_head_logprobs without it.
 
-CPU: the kernel under Triton's interpreter (subprocess with .venv/triton-interpret), fp32 and bf16 logits, a vocab
-that is not a multiple of the kernel's block (several blocks per row), targets at both ends and inside, one outside
-the vocab (NaN, not a read out of bounds), and without the Jacobian the logits left as they were.
+CPU: the kernel under Triton's interpreter (a subprocess under each supported Triton, tests/triton_interpreter.py), fp32
+and bf16 logits, a vocab that is not a multiple of the kernel's block (several blocks per row), targets at both ends and
+inside, one outside the vocab (NaN, not a read out of bounds), and without the Jacobian the logits left as they were.
 GPU (`-m gpu`): the same at M3's vocab (200,064) and 1,027 rows, and lm_head_logprobs' values and input gradient at
 M3's width with the kernel vs the torch chain.
 """

@@ -1,8 +1,8 @@
 """rl.model.msa_triton (the per-token block-sparse MSA kernels) against the reference attention.
 
-CPU: the kernels run under Triton's interpreter (TRITON_INTERPRET=1) in a subprocess that puts the interpreter-only
-Triton install (.venv/triton-interpret, made by scripts/install/setup_env.sh) on its path; fp32, exact math, so the
-bounds are fp32 rounding. In `make test`: the index-score kernel's block selection (the default on CUDA). `slow`: the
+CPU: the kernels run under Triton's interpreter (TRITON_INTERPRET=1) in a subprocess that puts a Triton install made
+by scripts/install/setup_env.sh on its path, each supported one (tests/triton_interpreter.py); fp32, exact math, so
+the bounds are fp32 rounding. In `make test`: the index-score kernel's block selection (the default on CUDA). `slow`: the
 per-token attention kernels (not the default: CUDA bf16 runs rl.model.msa_block_outer; ~55 s under the interpreter)
 on packed sequences whose token groups straddle a sequence boundary, 1 and 2 tokens per group, popular blocks split
 over several dK/dV programs (atomic adds).

@@ -1,9 +1,9 @@
 """rl.model.swiglu_triton (the fused SwiGLU-OAI kernels) against m3.ops.swigluoai_uninterleave, the eager chain.
 
-CPU: the kernels under Triton's interpreter (subprocess with .venv/triton-interpret; numpy's exp stands in for CUDA's
-expf there): forward bit-equal to the CPU eager chain for every bf16 gate value but the tiniest (whose subnormal
-results the interpreter converts wrongly) and on ragged row and column tiles;
-the gradient within two bf16 ulps (relative norm) of an fp64 autograd of the same function.
+CPU: the kernels under Triton's interpreter (a subprocess under each supported Triton, tests/triton_interpreter.py;
+numpy's exp stands in for CUDA's expf there): forward bit-equal to the CPU eager chain for every bf16 gate value but the
+tiniest (whose subnormal results the interpreter converts wrongly) and on ragged row and column tiles; the gradient
+within two bf16 ulps (relative norm) of an fp64 autograd of the same function.
 GPU (`-m gpu`): forward bit-equal to the eager chain on CUDA for every bf16 gate value (65,536 bit patterns) against
 random up values, through the dispatch the trainer calls; the gradient as on CPU.
 """
