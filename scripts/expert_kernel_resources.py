@@ -10,6 +10,7 @@ specializes them. "registers" is the launch's per-thread cap (maxnreg); the part
 a spill in any of them shows as stack bytes.
 """
 
+import importlib
 import json
 import os
 import sys
@@ -38,7 +39,54 @@ def main():
                                     divisible=("N", "K", "KW", "KS", "stride_out"))
             rows.append(dict(report, **c, DGRAD=dgrad))
     print(json.dumps({"command": " ".join(["python"] + sys.argv), "arch": "sm_90", "kernels": rows,
-                      "decode": decode_reports()}, indent=1))
+                      "decode": decode_reports(), "triton_gemm": triton_gemm_reports(), "mxfp8": mxfp8_reports()},
+                     indent=1))
+
+
+# M3-like rows per expert for each tile bucket of nvfp4_moe_gemm.fwd_config / dgrad_config (128 experts)
+BUCKET_ROWS = (16 * 128, 32 * 128, 96 * 128, 512 * 128)
+
+
+def triton_gemm_reports():
+    """The fused Triton NVFP4 expert GEMMs (quant.kernels.nvfp4_moe_gemm: the forward at every token count, the input
+    gradient below the Gluon kernel's rows) at each tile bucket, with the default (asm) decoder."""
+    from quant.kernels import nvfp4_moe_gemm as ng
+
+    _, fwd, dgrad = ng._kernels()
+    types = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "gs_ptr": "*fp32",
+             "off_ptr": "*i64", "y_ptr": "*bf16", "dx_ptr": "*bf16"}
+    divisible = ("N", "K", "KW", "KS", "stride_xm", "stride_ym", "stride_dym", "stride_dxm")
+    rows = []
+    for kernel, config in ((fwd, ng.fwd_config), (dgrad, ng.dgrad_config)):
+        for m in BUCKET_ROWS:
+            c = config(m, 128)
+            constexprs = dict(E_P2=128, BM=c["BM"], BN=c["BN"], BK=c["BK"], WPB=c["BK"] // 8,
+                              DECODE=ng.DECODERS[ng.DEFAULT_DECODER], EVEN_K=True)
+            if kernel is dgrad:
+                constexprs.update(EVEN_N=True, SWAP=c["SWAP"])
+            report = compile_report(kernel, types, constexprs, c["num_warps"], c["num_stages"], divisible=divisible)
+            rows.append(dict(report, rows=m, num_stages=c["num_stages"], **{k: v for k, v in c.items() if k.isupper()}))
+    return rows
+
+
+def mxfp8_reports():
+    """The MXFP8 linear's kernels (quant.kernels.mxfp8_linear): the dequantize, and the fused forward and input
+    gradient at each tile bucket of its fwd_config / dgrad_config."""
+    ml = importlib.import_module("quant.kernels.mxfp8_linear")  # the package exports a function of this name
+
+    _, dequant, fwd, dgrad = ml._kernels()
+    types = {"q_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*bf16", "total": "i64", "x_ptr": "*bf16", "b_ptr": "*bf16",
+             "y_ptr": "*bf16", "dy_ptr": "*bf16", "dx_ptr": "*bf16"}
+    divisible = ("N", "K", "total", "stride_xm", "stride_ym", "stride_dym", "stride_dxm")
+    rows = [dict(compile_report(dequant, types, dict(BLOCK_E=4096), 8, 3, divisible=divisible), BLOCK_E=4096)]
+    for kernel, config, buckets in ((fwd, ml.fwd_config, (64, 256, 4096)), (dgrad, ml.dgrad_config, (256, 4096))):
+        for m in buckets:
+            c = config(m)
+            constexprs = dict(BM=c["BM"], BN=c["BN"], BK=c["BK"], GROUP=c["GROUP"], EVEN_K=True)
+            constexprs.update(HAS_BIAS=False) if kernel is fwd else constexprs.update(EVEN_N=True)
+            report = compile_report(kernel, types, constexprs, c["num_warps"], c["num_stages"], divisible=divisible)
+            rows.append(dict(report, rows=m, num_stages=c["num_stages"], **{k: v for k, v in c.items() if k.isupper()}))
+    return rows
 
 
 def decode_reports():

@@ -5,7 +5,7 @@ import functools
 
 import torch
 
-__all__ = ["triton_available"]
+__all__ = ["triton_available", "triton_version"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -18,3 +18,13 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+@functools.lru_cache(maxsize=None)
+def triton_version() -> tuple[int, int]:
+    """(major, minor) of the importable Triton, (0, 0) without one: kernel configs that depend on its codegen."""
+    try:
+        import triton
+    except ImportError:
+        return (0, 0)
+    return tuple(int(p) for p in triton.__version__.split(".")[:2])

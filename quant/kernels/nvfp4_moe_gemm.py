@@ -43,6 +43,7 @@ import functools
 
 import torch
 
+from quant.kernels._triton import triton_version
 from quant.kernels.e2m1_asm import PAIRS_ACC_SHIFT, triton_decoders
 
 __all__ = ["DECODERS", "DEFAULT_DECODER", "LARGE_M_CONFIG_BM256", "dgrad_config", "fwd_config", "launch_dgrad",
@@ -211,6 +212,11 @@ def fwd_config(m: int, num_experts: int) -> dict:
         return dict(BM=32, BN=64, BK=128, num_warps=4, num_stages=4)
     if avg <= 96:
         return dict(BM=64, BN=128, BK=128, num_warps=4, num_stages=4)
+    if triton_version() >= (3, 8):
+        # Triton 3.8 (torch 2.14) passes the decoded weight tile through shared memory too (+32 KB here): with 3
+        # stages this tile needs 246 KB, over sm_90's 227 KB, and would not launch; 2 stages: 173 KB
+        # (results/triton_versions.json; not timed: the H200 has Triton 3.6)
+        return dict(LARGE_M_CONFIG_BM256, num_stages=2)
     return LARGE_M_CONFIG_BM256
 
 

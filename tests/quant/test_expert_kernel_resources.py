@@ -3,7 +3,8 @@ compiled for Hopper (sm_90) on this CPU machine by scripts/expert_kernel_resourc
 this is what `make test` sees of it: it must compile at M3's shapes, fit in shared memory, not spill in any partition,
 and keep its MMAs asynchronous (ptxas reports C7514 when it serializes them). Its results are checked on the GPU
 (tests/quant/test_kernels_gpu.py, *_gluon_*). The same compile checks the bf16 weight decode of the decode + cuBLAS
-path (quant.kernels.nvfp4_dequant) for the property its speed rests on: no shared memory between decode and store."""
+path (quant.kernels.nvfp4_dequant) for the property its speed rests on: no shared memory between decode and store; and
+that the fused Triton expert GEMMs and the MXFP8 linear's kernels compile and fit. Under each supported Triton."""
 
 import json
 import sys
@@ -31,6 +32,15 @@ def test_gluon_expert_gemm_compiles_for_hopper(triton_version):
     assert [d["EVEN"] for d in report["decode"]] == [True, False]
     for d in report["decode"]:
         assert d["shared_bytes"] == 0 and d["stack_bytes"] == 0, d
+    # the fused Triton expert GEMMs and the MXFP8 linear's kernels at the tiles their configs pick under this Triton:
+    # they compile and fit (Triton 3.8's BM=256 forward at 3 stages needed 246 KB: nvfp4_moe_gemm.fwd_config)
+    assert [(k["kernel"], k["rows"]) for k in report["triton_gemm"]] == [
+        (name, rows) for name in ("_fwd_kernel", "_dgrad_kernel") for rows in (2048, 4096, 12288, 65536)]
+    assert [(k["kernel"], k.get("rows")) for k in report["mxfp8"]] == [
+        ("_dequant_kernel", None), ("_fwd_kernel", 64), ("_fwd_kernel", 256), ("_fwd_kernel", 4096),
+        ("_dgrad_kernel", 256), ("_dgrad_kernel", 4096)]
+    for k in report["triton_gemm"] + report["mxfp8"]:
+        assert k["shared_bytes"] <= HOPPER_SHARED_BYTES and not k["wgmma_serialized"], k
 
 
 def test_the_input_gradients_default_config_is_compiled_here_and_tested_on_the_gpu():
