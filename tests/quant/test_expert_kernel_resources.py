@@ -10,11 +10,9 @@ import json
 import sys
 from pathlib import Path
 
-from tests.triton_interpreter import run_with_triton
+from tests.triton_interpreter import HOPPER_SHARED_BYTES, run_with_triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-
-HOPPER_SHARED_BYTES = 227 * 1024  # per block, opt-in maximum on sm_90
 
 
 def test_gluon_expert_gemm_compiles_for_hopper(triton_version):

@@ -9,9 +9,8 @@ next tile's MMAs ran did exactly that and was 5% slower on the H200 (results/gpu
 import functools
 import json
 
-from tests.triton_interpreter import MEASURED, run_with_triton
+from tests.triton_interpreter import HOPPER_SHARED_BYTES, MEASURED, run_with_triton
 
-HOPPER_SHARED_BYTES = 227 * 1024  # per block, opt-in maximum on sm_90
 KERNELS = {"_plan_keys", "_plan_index", "_fwd", "_fwd_gluon", "_fwd_gluon_ws", "_bwd", "_bwd_gluon", "_bwd_gluon_ws",
            "_merge", "_reduce_grads"}
 
