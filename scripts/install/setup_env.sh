@@ -28,19 +28,18 @@ case "$profile" in
     # verl looks up a distribution named `vllm`, and vLLM wants "cpu" in that version: install a metadata shim.
     "$venv/bin/python" scripts/install/make_vllm_shim.py 0.32.0 build/shim >/dev/null
     "$pip" install -q --no-deps build/shim/vllm-0.32.0+cpu-py3-none-any.whl
-    # Triton only for its interpreter (TRITON_INTERPRET=1), outside site-packages so vLLM/torch never import it:
-    # tests run the GPU kernels' logic on CPU in a subprocess with this on PYTHONPATH (tests/rl/model/test_msa_triton.py).
-    "$pip" install -q --no-deps --target "$venv/triton-interpret" "triton==3.6.0"
-    # The Tritons of the other torch releases the trainer supports (2.12: 3.7.0, 2.13: 3.7.1, 2.14 = the GPU profile:
-    # 3.8.0; 2.11 = the H200's: 3.6.0 above): tests compile every kernel for sm_90 and interpret them under each
-    # (tests/triton_interpreter.py).
-    for v in 3.7.1 3.8.0; do "$pip" install -q --no-deps --target "$venv/triton-$v" "triton==$v"; done
     ;;
   gpu)
     "$pip" install -q -r requirements/gpu.txt
     ;;
   *) echo "unknown profile '$profile' (expected cpu or gpu)" >&2; exit 2 ;;
 esac
+# The Tritons of the torch releases the trainer supports, outside site-packages so vLLM/torch never import them
+# (2.11 = the H200's: 3.6.0, in triton-interpret; 2.12: 3.7.0, 2.13: 3.7.1; 2.14 = the GPU profile's: 3.8.0): the
+# CPU tests run the GPU kernels under each one's interpreter (TRITON_INTERPRET=1) and compile them for sm_90, in a
+# subprocess with it on PYTHONPATH (tests/triton_interpreter.py).
+"$pip" install -q --no-deps --target "$venv/triton-interpret" "triton==3.6.0"
+for v in 3.7.1 3.8.0; do "$pip" install -q --no-deps --target "$venv/triton-$v" "triton==$v"; done
 # verl's own pins (transformers<5.11, torch 2.11 extras, vllm 0.24) conflict with both vLLM builds; we only import
 # its algorithm library, whose runtime imports are satisfied above.
 "$pip" install -q --no-deps "verl==0.9.1"
