@@ -43,6 +43,12 @@ def main():
                      indent=1))
 
 
+def _config_report(kernel, types, constexprs, config, rows, divisible):
+    """compile_report of a Triton kernel at a launch config (its tiles, warps and stages), with those and the rows."""
+    report = compile_report(kernel, types, constexprs, config["num_warps"], config["num_stages"], divisible=divisible)
+    return dict(report, rows=rows, num_stages=config["num_stages"], **{k: v for k, v in config.items() if k.isupper()})
+
+
 # M3-like rows per expert for each tile bucket of nvfp4_moe_gemm.fwd_config / dgrad_config (128 experts)
 BUCKET_ROWS = (16 * 128, 32 * 128, 96 * 128, 512 * 128)
 
@@ -64,8 +70,7 @@ def triton_gemm_reports():
                               DECODE=ng.DECODERS[ng.DEFAULT_DECODER], EVEN_K=True)
             if kernel is dgrad:
                 constexprs.update(EVEN_N=True, SWAP=c["SWAP"])
-            report = compile_report(kernel, types, constexprs, c["num_warps"], c["num_stages"], divisible=divisible)
-            rows.append(dict(report, rows=m, num_stages=c["num_stages"], **{k: v for k, v in c.items() if k.isupper()}))
+            rows.append(_config_report(kernel, types, constexprs, c, m, divisible))
     return rows
 
 
@@ -84,8 +89,7 @@ def mxfp8_reports():
             c = config(m)
             constexprs = dict(BM=c["BM"], BN=c["BN"], BK=c["BK"], GROUP=c["GROUP"], EVEN_K=True)
             constexprs.update(HAS_BIAS=False) if kernel is fwd else constexprs.update(EVEN_N=True)
-            report = compile_report(kernel, types, constexprs, c["num_warps"], c["num_stages"], divisible=divisible)
-            rows.append(dict(report, rows=m, num_stages=c["num_stages"], **{k: v for k, v in c.items() if k.isupper()}))
+            rows.append(_config_report(kernel, types, constexprs, c, m, divisible))
     return rows
 
 

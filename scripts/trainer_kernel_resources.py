@@ -20,12 +20,13 @@ HIDDEN, HEADS, HEAD_DIM, KV_HEADS, INDEX_DIM = 6144, 64, 128, 4, 128  # M3
 
 
 def main():
+    from triton import next_power_of_2 as p2  # as the launches pass the blocks
+
     from rl.model import lean_triton as lean
     from rl.model import lm_head_triton as lm
     from rl.model import msa_triton as mt
     from rl.model import swiglu_triton as sw
 
-    p2 = lambda n: 1 << (n - 1).bit_length()  # noqa: E731  (triton.next_power_of_2, as the launches pass it)
     bf16 = {n: "*bf16" for n in ("x_ptr", "r_ptr", "gn_ptr", "gr_ptr", "gx_ptr", "y_ptr", "gy_ptr", "gu_ptr",
                                  "out_ptr", "g_gu_ptr", "q_ptr", "k_ptr", "cs_ptr")}  # cos_sin: the model dtype
     fp32 = {n: "*fp32" for n in ("w1_ptr", "rs_ptr", "w_ptr", "gw_ptr")}
