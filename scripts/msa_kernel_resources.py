@@ -145,10 +145,11 @@ def main():
                        maxnreg=mbows.WS_FWD["maxnreg"]),
         compile_report(mbog._bwd_gluon, types, dict(shapes, TM=btm, BM=bbm), 8, 1),
         *(compile_report(mbows._bwd_gluon_ws, dict(types, dq_desc=desc(g), dq_tile_desc=desc(bbm)),
-                         dict(shapes, TM=btm, BM=bbm, S=a.bwd_stages, DQ_TMA=dq_tma,
+                         dict(shapes, TM=btm, BM=bbm, S=a.bwd_stages, DQ_TMA=dq_tma, SPLIT=split,
                               **{k: v for k, v in mbows.WS_BWD.items() if k not in ("num_warps", "maxnreg")}),
-                         mbows.WS_BWD["num_warps"], 1, maxnreg=mbows.WS_BWD["maxnreg"]) | {"DQ_TMA": dq_tma}
-          for dq_tma in (True, False)),
+                         mbows.WS_BWD["num_warps"], 1, maxnreg=mbows.WS_BWD["maxnreg"])
+          | {"DQ_TMA": dq_tma, "SPLIT": split}  # the dQ stores x Config.bwd_loops (split / masked)
+          for dq_tma in (True, False) for split in (True, False)),
         compile_report(mbo._merge, types, dict(shapes, R=a.row_tile, HAS_DENSE=False,
                                                TP=1 << (a.topk - 1).bit_length()), 4, 3),
         compile_report(mbo._reduce_grads, types, dict(shapes, NH=128 // a.bwd_keys, R=a.row_tile,

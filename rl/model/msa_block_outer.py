@@ -282,6 +282,14 @@ def ws_fits(config: Config, g: int) -> dict:
             "dq_tma": config.dq_store == "tma" and tma_rows}
 
 
+def bwd_loops(asked: str, dq_store: str) -> str:
+    """Config.bwd_loops resolved for the dQ store the backward runs with: 'auto' is 'split' with TMA stores, 'masked'
+    with register stores (each the form measured on the H200 with that store)."""
+    if asked != "auto":
+        return asked
+    return "split" if dq_store == "tma" else "masked"
+
+
 def _kernels(q, k, config) -> Config:
     """Config.fwd_kernel / bwd_kernel resolved for these inputs: on Hopper in bf16/fp16 what was asked for, 'auto'
     being the warp-specialized Gluon kernel where its tiles fit (ws_fits, else 'gluon'); elsewhere 'triton'; and
@@ -376,7 +384,7 @@ def _backward(q, k, v, o, lse, do, plan: Plan, scale: float, config: Config, dq,
         _bwd_gluon_ws[(ni,)](q, k, v, do, lse, delta, dq_buf, *descs, dks, dvs, plan.entries, plan.order,
                              plan.item_key, plan.item_lo, plan.item_hi, plan.kstart, t_count, plan.nkb, qk_scale,
                              HQ=hq, HKV=hkv, G=g, TOPK=topk, TM=tm, BM=bm, D=dim, S=config.bwd_stages,
-                             DQ_TMA=dq_tma, **WS_BWD)
+                             DQ_TMA=dq_tma, SPLIT=bwd_loops(config.bwd_loops, config.dq_store) == "split", **WS_BWD)
     elif ni and config.bwd_kernel == "gluon":
         _bwd_gluon[(ni,)](q, k, v, do, lse, delta, dq_buf, dks, dvs, plan.entries, plan.order, plan.item_key,
                           plan.item_lo, plan.item_hi, plan.kstart, t_count, plan.nkb, qk_scale,

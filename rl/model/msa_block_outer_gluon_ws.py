@@ -16,7 +16,9 @@ only ones with keys after them in it) are a prefix of the key's first item, < 12
 those tiles once per item and run two loops, the first with the causal mask (and, forward, the row-token loads it
 needs), the rest with none (rows past the item's end are zero copies in the backward, finite repeats in the forward,
 and are not stored). The common loop: 475 vs 709 SASS instructions backward, ~925 vs ~1100 forward (offline sm_90
-compiles); measured at 32K (run82, old code in the same call): backward 9.41 vs 10.71 ms, forward 4.64 vs 5.09.
+compiles); measured at 32K (run82, old code in the same call): backward 9.41 vs 10.71 ms, forward 4.64 vs 5.09. The
+backward's two loops are Config.bwd_loops='split' (its default with TMA dQ stores); under Triton 3.8 only its one
+masked loop compiles without spills in the MMA loop (scripts/msa_kernel_resources.py).
 
 Forward (`_fwd_gluon_ws`): a loader warp brings the item's K/V block and each tile's q rows by TMA (a token's G query
 heads of one KV head are contiguous rows: one box per token) into a 4-stage ring; two math warpgroups take alternate
@@ -54,8 +56,8 @@ else:
 
 
 # _bwd_gluon_ws's launch: 8 math warps + a 4-warp loader, one program per SM (64K registers over 12 warps: 168 each
-# at launch; the loader gives back all but 24, the math warps take 240). Compiled for sm_90: no spills
-# (scripts/msa_kernel_resources.py).
+# at launch; the loader gives back all but 24, the math warps take 240). Compiled for sm_90 under Triton 3.6/3.7: no
+# spills in the MMA loops (scripts/msa_kernel_resources.py; 3.8: see Config.bwd_loops).
 WS_BWD = dict(LW=4, LREGS=24, num_warps=8, maxnreg=168)
 
 
@@ -296,27 +298,29 @@ if gluon is not None:
     def _bwd_ws_math(k_s, v_s, q_s, do_s, ds_s, dq_s, e_s, lse_s, dl_s, ready, empty, ent_ptr, dq_ptr, dq_desc,
                      dq_tile_desc, dks_ptr, dvs_ptr, it, lo, hi, k0, n_tiles, qk_scale, HKV: gl.constexpr,
                      G: gl.constexpr, TOPK: gl.constexpr, TM: gl.constexpr, BM: gl.constexpr, D: gl.constexpr,
-                     DQ_TMA: gl.constexpr, num_warps: gl.constexpr):
-        # The math partition of _bwd_gluon_ws: _bwd_gluon's tile loop without its copies and entry loads, in two
-        # loops: the _causal_tiles with the causal and row masks, the rest with none (every row sees all 128 keys;
-        # rows past the item's end are zero copies: they add exact zeros and their dQ is not stored).
+                     DQ_TMA: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr):
+        # The math partition of _bwd_gluon_ws: _bwd_gluon's tile loop without its copies and entry loads; SPLIT: in
+        # two loops, the _causal_tiles with the causal and row masks, the rest with none (every row sees all 128
+        # keys; rows past the item's end are zero copies: they add exact zeros and their dQ is not stored); else
+        # every tile masked in one loop.
         BN: gl.constexpr = 128
         kv_l: gl.constexpr = _bwd_layouts(BM, D, num_warps)[1]
         s_kidx, s_r, zero_s, zero_dq, dk, dv = _bwd_init(k0, BM, D, num_warps)
-        if DQ_TMA:
+        if SPLIT:
             n_causal = _causal_tiles(ent_ptr, lo, hi, k0, HKV, TOPK, TM, num_warps)
-        else:  # dQ from registers: two loops spill inside the MMA loop (64 B of stack): every tile masked
+        else:
             n_causal = n_tiles
         for i in range(n_causal):
             dk, dv = _bwd_ws_step(i, k_s, v_s, q_s, do_s, ds_s, dq_s, e_s, lse_s, dl_s, ready, empty, dq_ptr, dq_desc,
                                   dq_tile_desc, dk, dv, s_kidx, s_r, zero_s, zero_dq, lo, hi, qk_scale, HKV, G, TOPK,
                                   TM, BM, D, DQ_TMA, True, num_warps)
-        if DQ_TMA:
+        if SPLIT:
             # the bound computed here, not carried through the first loop (it was spilled to the stack)
             for i in range(n_causal, (hi - lo + TM - 1) // TM):
                 dk, dv = _bwd_ws_step(i, k_s, v_s, q_s, do_s, ds_s, dq_s, e_s, lse_s, dl_s, ready, empty, dq_ptr,
                                       dq_desc, dq_tile_desc, dk, dv, s_kidx, s_r, zero_s, zero_dq, lo, hi, qk_scale,
                                       HKV, G, TOPK, TM, BM, D, DQ_TMA, False, num_warps)
+        if DQ_TMA:
             tma.store_wait(0)
         _store_dkdv(dk, dv, dks_ptr, dvs_ptr, it, BN, D, kv_l)
 
@@ -325,7 +329,7 @@ if gluon is not None:
                       ent_ptr, order_ptr, key_ptr, lo_ptr, hi_ptr, kstart_ptr, T, NKB, qk_scale, HQ: gl.constexpr,
                       HKV: gl.constexpr, G: gl.constexpr, TOPK: gl.constexpr, TM: gl.constexpr, BM: gl.constexpr,
                       D: gl.constexpr, S: gl.constexpr, LW: gl.constexpr, LREGS: gl.constexpr, DQ_TMA: gl.constexpr,
-                      num_warps: gl.constexpr):
+                      SPLIT: gl.constexpr, num_warps: gl.constexpr):
         # _bwd_gluon warp-specialized: a loader partition (LW warps) gathers each tile's rows into an S-stage ring,
         # so the math warps issue no copies and wait on no entry loads; DQ_TMA: dQ leaves by TMA (dq_desc: one
         # token's G rows, dq_tile_desc: a whole tile).
@@ -347,7 +351,7 @@ if gluon is not None:
         gl.warp_specialize([
             (_bwd_ws_math, (k_s, v_s, q_s, do_s, ds_s, dq_s, e_s, lse_s, dl_s, ready, empty, ent_ptr, dq_ptr, dq_desc,
                             dq_tile_desc, dks_ptr, dvs_ptr, it, lo, hi, k0, n_tiles, qk_scale, HKV, G, TOPK, TM,
-                            BM, D, DQ_TMA, num_warps)),
+                            BM, D, DQ_TMA, SPLIT, num_warps)),
             (_bwd_ws_load, (q_ptr, do_ptr, ent_ptr, lse_ptr, delta_ptr, q_s, do_s, e_s, lse_s, dl_s, ready, empty, lo,
                             hi, h, n_tiles, HQ, HKV, G, TOPK, TM, BM, D, LW)),
         ], [LW], [LREGS])

@@ -59,6 +59,11 @@ class Config:
     # gluon_ws: dQ partials leave "tma" (through shared memory and TMA stores that run under the next tile; where
     # ws_fits allows) or "registers" (stored from the math warps, as _bwd_gluon does)
     dq_store: str = "tma"
+    # gluon_ws backward: "split" runs the tiles that can meet the causal edge in a masked loop and the rest in one
+    # without masks (run82 at 32K: backward 9.41 vs 10.71 ms with TMA dQ stores); "masked" masks every tile in one
+    # loop; "auto": split with TMA dQ stores, masked with register ones (the forms measured). Under Triton 3.8
+    # (torch 2.14) only "masked" compiles without spills in the MMA loop (results/triton_versions.json)
+    bwd_loops: str = "auto"
     item_tokens: int = 512  # entries per work item
     # Prefix tokens per sequence from which SDPA takes the dense prefix; 0 = never. Off: the kernels take those
     # tokens for less than SDPA plus gathering them (run12 sweep: 33.6 vs 34.9 ms at 32K, 5.1 vs 5.5 ms at 4K).
@@ -81,7 +86,8 @@ class Config:
     def __post_init__(self):
         choices = {"part_dtype": ("bf16", "fp32"), "dq": ("partial", "atomic"), "order": ("size", "token", "key"),
                    "bwd_kernel": ("auto", "gluon", "gluon_ws", "triton"),
-                   "fwd_kernel": ("auto", "gluon", "gluon_ws", "triton"), "dq_store": ("tma", "registers")}
+                   "fwd_kernel": ("auto", "gluon", "gluon_ws", "triton"), "dq_store": ("tma", "registers"),
+                   "bwd_loops": ("auto", "split", "masked")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"msa_block_outer Config.{name}={getattr(self, name)!r}: expected one of {allowed}")

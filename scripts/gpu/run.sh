@@ -37,7 +37,10 @@
 #                         _grouped_mm both ways, each launched once
 #                         (scripts/gpu/ncu_expert.py); details and per-SASS pages as text in $OUT/ncu_expert.tgz
 #   bench_msa[:ARGS]      scripts/bench_msa.py (4K-64K, 1 and 4 sequences, vs dense SDPA) with extra ARGS, '+' for
-#                         spaces (e.g. bench_msa:--compare+triton+--sweep+32768); JSON to $OUT/bench_msa.json
+#                         spaces (e.g. bench_msa:--compare+triton+--sweep+32768); JSON to $OUT/bench_msa.json (the
+#                         next bench_msa step of the call: bench_msa_2.json, ...)
+# TRITON=V in the environment: every step under Triton V instead of the H200's 3.6.0, from a carried
+# .whl/triton-V-cp312-sm90.tar.xz (scripts/gpu/triton_bundle.sh; e.g. TRITON=3.8.0, torch 2.14's)
 # The device tool returns at most 8 files: logs go into logs.tgz, and the JSON results into results.tgz when
 # there are more than 6 of them. The last lines printed are the summary (tokens/s, MFU, memory, time split).
 source "$(dirname "$0")/lib.sh"
@@ -119,7 +122,8 @@ for step in "$@"; do
       ncu_pages ncu_expert ;;
     bench_msa|bench_msa:*)
       extra=${step#bench_msa}; extra=${extra#:}
-      run bench_msa "$(lim 420)" python3 scripts/bench_msa.py ${extra//+/ } --out "$OUT/bench_msa.json" ;;
+      name=bench_msa; n=2; while [ -e "$OUT/$name.json" ]; do name=bench_msa_$n; n=$((n + 1)); done
+      run "$name" "$(lim 420)" python3 scripts/bench_msa.py ${extra//+/ } --out "$OUT/$name.json" ;;
     *) echo "unknown step $step" | tee -a "$OUT/summary.log" ;;
   esac
 done
@@ -148,7 +152,7 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
                       g["before"][:45])
         if "memory_at_peak" in rk:
             print(name, "at peak", json.dumps(rk["memory_at_peak"]["live_at_peak_by_site_gb"]))
-    elif name == "bench_msa.json":
+    elif name.startswith("bench_msa"):
         sys.path.insert(0, "scripts")
         from bench_msa import table
         print(table(r))

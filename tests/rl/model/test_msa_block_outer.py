@@ -121,7 +121,8 @@ def test_config_rejects_unknown_choices():
     from rl.model import msa_block_outer as mbo
 
     for bad in (dict(bwd_kernel="glu0n"), dict(fwd_kernel="cuda"), dict(dq="atomics"), dict(order="lpt"),
-                dict(part_dtype="fp16"), dict(bwd_keys=96), dict(dq_store="smem"), dict(dkdv_cols=24)):
+                dict(part_dtype="fp16"), dict(bwd_keys=96), dict(dq_store="smem"), dict(dkdv_cols=24),
+                dict(bwd_loops="two")):
         with pytest.raises(ValueError, match=next(iter(bad))):
             mbo.Config(**bad)
 
@@ -153,6 +154,17 @@ def test_warp_specialized_kernels_take_only_the_tiles_they_fit():
     assert not mbo.ws_fits(mbo.Config(fwd_rows=128), 16)["fwd_kernel"]
     assert not mbo.ws_fits(mbo.Config(bwd_rows=16), 16)["bwd_kernel"]  # one token per tile: no whole-token halves
     assert not mbo.ws_fits(mbo.Config(dq_store="registers"), 16)["dq_tma"]
+
+
+def test_backward_loops_follow_the_dq_store_unless_asked():
+    """'auto' keeps each dQ store's measured form (TMA: the causal tiles split off; registers: every tile masked); an
+    explicit choice is kept (bench_msa --config bwd_loops=... times the other forms)."""
+    from rl.model import msa_block_outer as mbo
+
+    assert mbo.bwd_loops("auto", "tma") == "split"
+    assert mbo.bwd_loops("auto", "registers") == "masked"
+    for store in ("tma", "registers"):
+        assert [mbo.bwd_loops(asked, store) for asked in ("split", "masked")] == ["split", "masked"]
 
 
 def test_plan_groups_every_selection_once():
@@ -219,6 +231,9 @@ GPU_CASES = {  # id -> (lengths, init blocks, config overrides); {} = the defaul
     "gluon_backward_padding": ([1000, 3000, 96, 2100], 2, {"bwd_kernel": "gluon"}),  # -1 slots, forced init
     "gluon_backward_32k": ([32768], 0, {"bwd_kernel": "gluon"}),
     "ws_dq_from_registers": ([1000, 3000, 96, 2100], 2, {"dq_store": "registers"}),
+    # the loop forms that are not the default for their dQ store (Config.bwd_loops)
+    "ws_every_tile_masked": ([1000, 3000, 96, 2100], 2, {"bwd_loops": "masked"}),
+    "ws_dq_from_registers_split": ([1000, 3000, 96, 2100], 2, {"dq_store": "registers", "bwd_loops": "split"}),
     "ws_3_stages": ([5000, 700], 1, {"bwd_stages": 3}),
     "ws_fp32_dq_parts": ([5000], 1, {"part_dtype": "fp32"}),  # dQ partials not in the operand type: no TMA
     "gluon_ws_forward_padding": ([1000, 3000, 96, 2100], 2, {"fwd_kernel": "gluon_ws"}),  # the default forward
