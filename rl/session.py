@@ -3,7 +3,6 @@ engine) and the operations on it that more than one entry point needs (the adapt
 checkpoints). `rl.train`, `rl.check` and the tests build a `Session`; nothing here runs a training step.
 """
 
-import gc
 import os
 import random
 import sys
@@ -18,6 +17,7 @@ from rl import checkpointing
 from rl.config import validate
 from rl.data import encode_prompts, load_splits
 from rl.eval import evaluate
+from rl.heap import freeze_heap
 from rl.model import M3ForTraining, TrainerModelConfig
 from rl.model.fsdp import default_mesh, full_adapter_state_dict, init_distributed, shard_layer, shard_model
 from rl.model.lora import LoRAConfig, lora_parameters, peft_config
@@ -265,10 +265,3 @@ class Session:
         self.log(f"resumed from {path} at step {start}")
         return start
 
-
-def freeze_heap() -> None:
-    """Everything alive now (imports, model, engine: ~10^5-10^6 objects, all living to the end) out of the cyclic
-    collector's reach: its full passes scan them, ~0.2-0.4 s each at steps nobody picks (results/gpu/run120: 0.41 s
-    of a 2.9 s step). vLLM's engine core freezes its startup heap the same way."""
-    gc.collect()
-    gc.freeze()

@@ -40,7 +40,8 @@ from rl.model import ForwardStats
 from rl.model.fsdp import full_adapter_state_dict
 from rl.model.lora import write_adapter
 from rl.rewards import compute_score
-from rl.session import Session, freeze_heap
+from rl.heap import freeze_heap
+from rl.session import Session
 
 register()
 

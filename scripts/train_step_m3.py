@@ -367,7 +367,7 @@ def main(argv=None) -> int:
     optimizer = torch.optim.AdamW(params, lr=1e-5)
     batch, token_adv = make_batch(args, t, rank, device)
     if args.gc_freeze:
-        from rl.session import freeze_heap
+        from rl.heap import freeze_heap
 
         freeze_heap()
     clock = GcClock()

@@ -16,7 +16,7 @@ import pytest
 
 from m3.tiny import ensure_tiny_model
 from rl import checkpointing
-from rl import session as rl_session
+from rl.heap import freeze_heap
 from tests.rl.test_train import compose_cfg, fast_overrides
 
 
@@ -75,7 +75,7 @@ def test_dead_engine_core_is_rebuilt_once_then_fails_the_step_naming_it(mp_sessi
     # 1. a restart left: rebuilt, the adapter the trainer holds reinstalled, the step done; the dropped engine freed
     # although the heap was frozen (as rl.train's loop freezes it: frozen cycles are never collected), the heap
     # frozen again with the new engine
-    rl_session.freeze_heap()
+    freeze_heap()
     dropped, frozen = weakref.ref(s.engine.llm), gc.get_freeze_count()
     pid, metrics = kill_as_it_starts(lambda: train.grpo_step(s, 2))
     assert s.engine_restarts == 1 and engine_core().pid != pid

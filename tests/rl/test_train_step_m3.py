@@ -38,13 +38,26 @@ def test_synthetic_checkpoint_serves_formats_deterministically():
     assert a.dequantized(f"{m}.w2").shape == w2.shape
 
 
+# What the GPU machine's image lacks (it has torch, Triton, transformers, peft; no vLLM, no network): the launcher
+# runs there, so here it runs with these unimportable. Run124 failed on the H200 at `import omegaconf`, pulled in by
+# a helper imported from rl.session.
+GPU_MACHINE_LACKS = ("omegaconf", "hydra", "vllm", "verl", "wandb")
+# None in sys.modules: `import omegaconf` raises ModuleNotFoundError, importlib.util.find_spec (libraries probing
+# optional packages) answers None, as for a package that is not installed
+BLOCK = f"import sys\nsys.modules.update(dict.fromkeys({GPU_MACHINE_LACKS!r}))\n"
+
+
 def _launch(tmp_path, *extra):
     out = tmp_path / f"step{len(extra)}.json"
+    site = tmp_path / "gpu_machine_site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(BLOCK)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            str(ROOT / "scripts" / "train_step_m3.py"), "--device", "cpu", "--layers", "2", "--seq-len", "260",
            "--seqs-per-rank", "2", "--steps", "1", "--override", json.dumps(SMALL), "--out", str(out), *extra]
     # faulthandler: an abort prints every thread's Python stack (an abort at exit showed none: it was in C++)
-    p = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1"),
+    p = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1",
+                                            PYTHONPATH=os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")])),
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-1500:] + p.stderr[-3000:]
     return json.loads(out.read_text())
