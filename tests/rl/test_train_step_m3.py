@@ -55,10 +55,11 @@ def _launch(tmp_path, *extra):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            str(ROOT / "scripts" / "train_step_m3.py"), "--device", "cpu", "--layers", "2", "--seq-len", "260",
            "--seqs-per-rank", "2", "--steps", "1", "--override", json.dumps(SMALL), "--out", str(out), *extra]
+    # the site folder first on the path; the launcher puts the repo root on it itself
+    path = os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
     # faulthandler: an abort prints every thread's Python stack (an abort at exit showed none: it was in C++)
-    p = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1",
-                                            PYTHONPATH=os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")])),
-                       capture_output=True, text=True, timeout=300)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", PYTHONPATH=path)
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-1500:] + p.stderr[-3000:]
     return json.loads(out.read_text())
 
