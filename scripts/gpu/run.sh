@@ -22,7 +22,7 @@
 #                         base: also base/'s quantized slice (base/ = another commit's tree, .whl linked) in each round;
 #                         MoE chunks of C tokens as slice's (default 16384; 0: off, e.g. pairs:2:8:2::0). Ratios per
 #                         round and their median in $OUT/pairs.json (scripts/gpu/slice_pairs.py, which refuses slices
-#                         run differently)
+#                         run differently), the slices in pairs.tgz (the call's next pairs step: pairs_2.json, ...)
 #   trainer_tests         pytest -m gpu: the trainer fast-paths test (tests/rl/model/test_trainer_gpu.py) and the fused
 #                         SwiGLU, add-norm backward and LM head softmax kernels (test_swiglu_triton.py,
 #                         test_lean_triton.py, test_lm_head_triton.py)
@@ -50,6 +50,8 @@ BUDGET=${RUN_BUDGET_S:-100000}  # seconds for all steps: a step starts only with
 TRAINER_GPU_TESTS="tests/rl/model/test_trainer_gpu.py tests/rl/model/test_swiglu_triton.py tests/rl/model/test_lean_triton.py
   tests/rl/model/test_lm_head_triton.py"
 lim() { local left=$(( BUDGET - SECONDS )); (( left < $1 )) && echo "$left" || echo "$1"; }
+# NAME, else NAME_2, NAME_3 ...: the first with no $OUT/<it>.json (a step given twice in a call keeps both results)
+fresh() { local name=$1 n=2; while [ -e "$OUT/$name.json" ]; do name=$1_$n; n=$((n + 1)); done; echo "$name"; }
 # An Nsight Compute report $OUT/NAME.ncu-rep as text (details; per-SASS-instruction stall samples, which
 # scripts/gpu/ncu_stalls.py reads) in $OUT/NAME.tgz, its headline numbers printed; the report itself is dropped.
 ncu_pages() {
@@ -86,21 +88,23 @@ for step in "$@"; do
           --gc-freeze "${GC_FREEZE:-1}" --out "$OUT/$name.json" ;;
     pairs:*)
       IFS=: read -r _ layers seqs rounds with_base chunk <<< "$step"; chunk=${chunk:-16384}
-      out="$OUT/pairs"; mkdir -p "$out"
+      name=$(fresh pairs); out="$OUT/$name"; mkdir -p "$out"
       for ((i = 0; i < rounds; i++)); do
         order="quantized ${with_base:+base_quantized} bf16"; (( i % 2 )) && order="bf16 ${with_base:+base_quantized} quantized"
         for cfg in $order; do
-          if (( BUDGET - SECONDS < 60 )); then echo "r${i}_$cfg skipped: out of RUN_BUDGET_S" | tee -a "$OUT/summary.log"; continue; fi
+          if (( BUDGET - SECONDS < 60 )); then
+            echo "${name}_r${i}_$cfg skipped: out of RUN_BUDGET_S" | tee -a "$OUT/summary.log"; continue
+          fi
           dir=.; [ "$cfg" = base_quantized ] && dir=base
-          (cd "$dir" && run "r${i}_$cfg" "$(lim 150)" torchrun --nproc-per-node 1 scripts/train_step_m3.py \
+          (cd "$dir" && run "${name}_r${i}_$cfg" "$(lim 150)" torchrun --nproc-per-node 1 scripts/train_step_m3.py \
               --layers "$layers" --seq-len 16384 --seqs-per-rank "$seqs" --steps "${SLICE_STEPS:-4}" \
               --warmup-steps "${SLICE_WARMUP:-1}" --base "${cfg#base_}" --shard-base 0 --moe-chunk-tokens "$chunk" \
               --gc-freeze "${GC_FREEZE:-1}" --out "$out/r${i}_$cfg.json")
         done
       done
-      python3 scripts/gpu/slice_pairs.py "$out" --out "$OUT/pairs.json" \
-          --meta "{\"step\": \"$step\", \"slice_steps\": ${SLICE_STEPS:-4}}" | tee "$OUT/pairs_summary.log"
-      (cd "$OUT" && tar czf pairs.tgz pairs && rm -rf pairs) ;;
+      python3 scripts/gpu/slice_pairs.py "$out" --out "$OUT/$name.json" \
+          --meta "{\"step\": \"$step\", \"slice_steps\": ${SLICE_STEPS:-4}}" | tee "$OUT/${name}_summary.log"
+      (cd "$OUT" && tar czf "$name.tgz" "$name" && rm -rf "$name") ;;
     trainer_tests)
       M3RL_GPU_REPORT="$OUT/trainer_gpu.json" run trainer_tests "$(lim 200)" $P -s $TRAINER_GPU_TESTS ;;
     block_tests)
@@ -122,7 +126,7 @@ for step in "$@"; do
       ncu_pages ncu_expert ;;
     bench_msa|bench_msa:*)
       extra=${step#bench_msa}; extra=${extra#:}
-      name=bench_msa; n=2; while [ -e "$OUT/$name.json" ]; do name=bench_msa_$n; n=$((n + 1)); done
+      name=$(fresh bench_msa)
       run "$name" "$(lim 420)" python3 scripts/bench_msa.py ${extra//+/ } --out "$OUT/$name.json" ;;
     *) echo "unknown step $step" | tee -a "$OUT/summary.log" ;;
   esac
