@@ -49,6 +49,7 @@ import math
 import torch
 
 from m3.ops import MSA_BLOCK as BLOCK  # keys per program
+from quant.kernels._triton import triton_version
 from rl.model.msa_block_plan import (DEFAULT, Config, Plan, build_plan,  # noqa: F401  (build_plan: re-exported)
                                      dense_prefixes)
 from rl.model.msa_dense import causal_dense
@@ -282,11 +283,15 @@ def ws_fits(config: Config, g: int) -> dict:
             "dq_tma": config.dq_store == "tma" and tma_rows}
 
 
-def bwd_loops(asked: str, dq_store: str) -> str:
-    """Config.bwd_loops resolved for the dQ store the backward runs with: 'auto' is 'split' with TMA stores, 'masked'
-    with register stores (each the form measured on the H200 with that store)."""
+def bwd_loops(asked: str, dq_store: str, version: tuple[int, int] | None = None) -> str:
+    """Config.bwd_loops resolved for the dQ store and the Triton `version` ((major, minor); None: the importable one)
+    the backward runs with. 'auto': under Triton 3.6/3.7 'split' with TMA stores (run82: backward 9.41 vs 10.71 ms at
+    32K), 'masked' with register stores; under 3.8+ 'masked' (the split form spills in its MMA loop there; masked
+    fwd+bwd 0.93x at 32K x 4, 0.92x at 32K x 1: run126, an H100)."""
     if asked != "auto":
         return asked
+    if (triton_version() if version is None else version) >= (3, 8):
+        return "masked"
     return "split" if dq_store == "tma" else "masked"
 
 

@@ -17,8 +17,9 @@ those tiles once per item and run two loops, the first with the causal mask (and
 needs), the rest with none (rows past the item's end are zero copies in the backward, finite repeats in the forward,
 and are not stored). The common loop: 475 vs 709 SASS instructions backward, ~925 vs ~1100 forward (offline sm_90
 compiles); measured at 32K (run82, old code in the same call): backward 9.41 vs 10.71 ms, forward 4.64 vs 5.09. The
-backward's two loops are Config.bwd_loops='split' (its default with TMA dQ stores); under Triton 3.8 only its one
-masked loop compiles without spills in the MMA loop (scripts/msa_kernel_resources.py).
+backward's two loops are Config.bwd_loops='split' (its default with TMA dQ stores under Triton 3.6/3.7); under 3.8
+only its one masked loop compiles without spills in the MMA loop (scripts/msa_kernel_resources.py), and is the default
+there (run126).
 
 Forward (`_fwd_gluon_ws`): a loader warp brings the item's K/V block and each tile's q rows by TMA (a token's G query
 heads of one KV head are contiguous rows: one box per token) into a 4-stage ring; two math warpgroups take alternate

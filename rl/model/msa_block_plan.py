@@ -61,8 +61,8 @@ class Config:
     dq_store: str = "tma"
     # gluon_ws backward: "split" runs the tiles that can meet the causal edge in a masked loop and the rest in one
     # without masks (run82 at 32K: backward 9.41 vs 10.71 ms with TMA dQ stores); "masked" masks every tile in one
-    # loop; "auto": split with TMA dQ stores, masked with register ones (the forms measured). Under Triton 3.8
-    # (torch 2.14) only "masked" compiles without spills in the MMA loop (results/triton_versions.json)
+    # loop; "auto": split with TMA dQ stores, masked with register ones, and masked under Triton 3.8+ (torch 2.14),
+    # where only "masked" compiles without spills in the MMA loop and is the faster (run126; msa_block_outer.bwd_loops)
     bwd_loops: str = "auto"
     item_tokens: int = 512  # entries per work item
     # Prefix tokens per sequence from which SDPA takes the dense prefix; 0 = never. Off: the kernels take those
