@@ -8,14 +8,22 @@ two memory-bound references on the same device in the same run: a bf16 copy of t
 decoder, and with --base DIR the decode of another checkout (``DIR/quant/kernels/nvfp4_dequant.py``, e.g. a
 ``git archive`` of the commit before), each checked bit for bit against the first variant's output.
 
-    python scripts/bench_nvfp4_decode.py [--base base] --out results/gpu/runNN/bench_decode.json
+For the default tile it also splits the time into host and GPU: the host time to enqueue one launch (the GPU idle
+first, so no launch waits on a full queue) and the decode kernel's own time in a torch profile; ``--dump DIR`` writes
+each compiled decode kernel's metadata, PTX and sm_90 SASS (to compare one Triton's codegen with another's, e.g. the
+3.6 and 3.8 of run128).
+
+    python scripts/bench_nvfp4_decode.py [--base base] [--dump DIR] --out results/gpu/runNN/bench_decode.json
 """
 
 import argparse
 import importlib.util
 import json
 import os
+import statistics
+import subprocess
 import sys
+import time
 
 import torch
 
@@ -33,6 +41,49 @@ def bench(fn, rep_ms):
     return triton.testing.do_bench(fn, warmup=max(rep_ms // 4, 5), rep=rep_ms, return_mode="median")
 
 
+def host_and_kernel_ms(fn, launches=20):
+    """(median host ms to enqueue one launch of fn, median GPU ms of its kernels in a torch profile)."""
+    host = []
+    for _ in range(launches):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(launches):
+            fn()
+        torch.cuda.synchronize()
+    # device_time_total is in microseconds; one decode kernel per launch
+    kernels = [e.device_time_total / 1e3 for e in prof.events() if "dequant" in e.name]
+    return statistics.median(host), statistics.median(kernels) if kernels else None
+
+
+def dump_kernels(kernel, folder: str):
+    """Each compiled variant of the decode kernel: its cache key and metadata as JSON, its PTX and SASS."""
+    import triton
+
+    os.makedirs(folder, exist_ok=True)
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    index = []
+    for cache in [c[0] for c in kernel.device_caches.values()]:
+        for i, (key, compiled) in enumerate(cache.items()):
+            name = f"decode_{len(index)}"
+            with open(os.path.join(folder, name + ".ptx"), "w") as f:
+                f.write(compiled.asm["ptx"])
+            with open(os.path.join(folder, name + ".cubin"), "wb") as f:
+                f.write(compiled.asm["cubin"])
+            sass = subprocess.run([tool, "-sass", os.path.join(folder, name + ".cubin")], capture_output=True,
+                                  text=True).stdout if os.path.exists(tool) else ""
+            with open(os.path.join(folder, name + ".sass"), "w") as f:
+                f.write(sass)
+            meta = {k: v for k, v in compiled.metadata._asdict().items() if isinstance(v, (int, float, str, bool))}
+            index.append(dict(name=name, key=str(key), n_regs=compiled.n_regs, n_spills=compiled.n_spills,
+                              metadata=meta, sass_instructions=sass.count(";\n") if sass else None))
+    with open(os.path.join(folder, "kernels.json"), "w") as f:
+        json.dump(index, f, indent=1)
+
+
 def load_base(path: str):
     """nvfp4_dequant of another checkout, imported under its own name; the ``quant`` imports inside it resolve to this
     checkout's package (already imported), which the decode on CUDA tensors does not use beyond quant.forms' names."""
@@ -48,6 +99,7 @@ def main():
     ap.add_argument("--base", default=None, help="a checkout whose nvfp4_dequantize is timed beside this one's")
     ap.add_argument("--rep-ms", type=int, default=100)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--dump", default=None, help="a folder for each compiled decode kernel's PTX, SASS and metadata")
     args = ap.parse_args()
     base = load_base(args.base) if args.base else None
     torch.manual_seed(0)
@@ -77,14 +129,22 @@ def main():
             rows.append(dict(shape=name, variant=label, ms=round(ms, 4), tbps=round(moved / ms / 1e9, 3),
                              bits_equal_first=same))
             print(f"{name:11s} {label:28s} {ms:8.3f} ms {moved / ms / 1e9:6.3f} TB/s  same={same}", flush=True)
+            if label == f"asm {nd.ROWS}x{nd.WARPS}":
+                host_ms, kernel_ms = host_and_kernel_ms(fn)
+                rows[-1].update(host_ms_per_launch=round(host_ms, 4), kernel_ms=kernel_ms and round(kernel_ms, 4))
+                print(f"{name:11s} {label:28s} host {host_ms:8.3f} ms per launch, kernel {kernel_ms} ms", flush=True)
         for label, fn, nbytes in refs:
             ms = bench(fn, args.rep_ms)
             rows.append(dict(shape=name, variant=label, ms=round(ms, 4), tbps=round(nbytes / ms / 1e9, 3)))
             print(f"{name:11s} {label:28s} {ms:8.3f} ms {nbytes / ms / 1e9:6.3f} TB/s", flush=True)
         del packed, scale, out, src, dst, first
         torch.cuda.empty_cache()
+    import triton
+
     result = {"command": " ".join(["python"] + sys.argv), "device": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "rows": rows}
+              "torch": torch.__version__, "triton": triton.__version__, "rows": rows}
+    if args.dump:
+        dump_kernels(nd._kernel()[1], args.dump)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
