@@ -194,7 +194,7 @@ def main():
                 for direction in ("fwd", "dgrad"):
                     cases.append((direction, "dequant", None, "dequant"))
                     cases.append((direction, "dequant_serial", None, "dequant_serial"))
-            if args.variants and t in (64, 32768):
+            if args.variants:  # the integer-field decoder (Triton 3.8 keeps its tile out of shared memory)
                 cases.append(("fwd", "nvfp4[triton decoder]", None, "triton"))
                 cases.append(("dgrad", "nvfp4[triton decoder]", None, "triton"))
             if args.variants and t <= 512:  # few rows per expert: bound by decoding the weights
