@@ -36,10 +36,11 @@ def tma_descriptor_type(rows: int, cols: int) -> str:
     return f"tensordesc<bf16[{rows}, {cols}],{layout!r}>"
 
 
-def compile_report(fn, types, constexprs, num_warps, num_stages, arch=90, divisible=DIVISIBLE_INTS, maxnreg=None):
+def compile_report(fn, types, constexprs, num_warps, num_stages, arch=90, divisible=DIVISIBLE_INTS, maxnreg=None,
+                   loads=False):
     """Compile `fn` for sm_<arch> as a launch would (alignment hints: pointers and the int arguments named in
     `divisible`; `maxnreg` as the launch passes it); registers / stack / static shared from cuobjdump, dynamic shared
-    from Triton."""
+    from Triton; with `loads`, the layout of every global load (load_layouts)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -73,7 +74,22 @@ def compile_report(fn, types, constexprs, num_warps, num_stages, arch=90, divisi
     return {"kernel": fn.__name__, "warps": num_warps, "stages": None if gluon else num_stages,
             "registers": int(fields["REG"]),
             "stack_bytes": int(fields["STACK"]), "shared_bytes": k.metadata.shared,
-            "wgmma_serialized": "C7514" in info, "mma_loop_spills": mma_loop_spills(sass)}
+            "wgmma_serialized": "C7514" in info, "mma_loop_spills": mma_loop_spills(sass),
+            **({"loads": load_layouts(k.asm["ttgir"])} if loads else {})}
+
+
+def load_layouts(ttgir: str) -> list:
+    """Each `tt.load` of the TTGIR: its tensor shape, element type and blocked layout (sizePerThread, threadsPerWarp,
+    order): which elements a thread and the consecutive lanes of a warp read, i.e. whether the loads coalesce."""
+    layouts = {m.group(1): {key: [int(v) for v in m.group(2 + i).split(",")]
+                            for i, key in enumerate(("sizePerThread", "threadsPerWarp", "order"))}
+               for m in re.finditer(r"^(#blocked\d*) = #ttg\.blocked<\{sizePerThread = \[([\d, ]+)\], "
+                                    r"threadsPerWarp = \[([\d, ]+)\], warpsPerCTA = \[[\d, ]+\], "
+                                    r"order = \[([\d, ]+)\]", ttgir, re.M)}
+    out = []
+    for m in re.finditer(r"= tt\.load [^:]*: tensor<([\dx]+)x!tt\.ptr<(\w+)>, (#\w+)>", ttgir):
+        out.append(dict(shape=[int(d) for d in m.group(1).split("x")], dtype=m.group(2), **layouts.get(m.group(3), {})))
+    return out
 
 
 def mma_loop_spills(sass: str):

@@ -65,12 +65,15 @@ def _kernel():
         pid = tl.program_id(0).to(tl.int64)
         r = pid * R + tl.arange(0, R)
         if ASM:
-            # Words as [8, R] (word in row, row), one per thread, and its scale byte loaded beside it: `one` is 1 at
-            # run time but unknown to the compiler, so the loads are 4 bytes wide with lanes along the words, and
-            # each thread's 8 decoded codes are exactly the 16-byte vector of the store's layout. (Loaded as [R, 8],
-            # 16 bytes per thread, Triton moved the decoded tile through shared memory to the store's layout: 17
-            # barriers per program in the sm_90 SASS.)
-            wi = r[None, :] * 8 + tl.arange(0, 8)[:, None] * one
+            # The words as one flat run, one per thread (row r's word w at 8r + w), each with its scale byte beside
+            # it: `one` is 1 at run time but unknown to the compiler, so the loads stay 4 bytes wide with consecutive
+            # lanes on consecutive words, and each thread's 8 decoded codes are the 16-byte vector of the store.
+            # Flat, not [8, R] or [R, 8]: with two dims of unknown contiguity Triton 3.6 puts the lanes on the first
+            # and 3.7/3.8 on the last, and the dim that is not the words gives 32-byte strided loads and 128-byte
+            # strided stores (3.6x slower under 3.8 on an H100, run130). (Loaded 16 bytes per thread, Triton moved
+            # the decoded tile through shared memory to the store's layout: 17 barriers per program.)
+            j = pid * (8 * R) + tl.arange(0, 8 * R)
+            wi = (j // 8) * 8 + (j % 8) * one
             if EVEN:
                 p32 = tl.load(w_ptr + wi)
                 sb = scale_bf16(tl.load(s_ptr + wi // 2), False)
@@ -78,11 +81,8 @@ def _kernel():
                 ok = wi < 2 * groups
                 p32 = tl.load(w_ptr + wi, mask=ok, other=0)
                 sb = scale_bf16(tl.load(s_ptr + wi // 2, mask=ok, other=0), False)
-            # Stored as decoded, [8, R, 8] (word, row, code): no permute, so every Triton from 3.6 on keeps each
-            # thread's 8 codes in its registers through the store (3.7 and 3.8 moved a permuted tile through
-            # shared memory).
-            w = tl.reshape(decode_words(p32, sb, False), (8, R, 8))
-            o = r[None, :, None] * 64 + tl.arange(0, 8)[:, None, None] * 8 + tl.arange(0, 8)[None, None, :]
+            w = tl.reshape(decode_words(p32, sb, False), (8 * R, 8))
+            o = j[:, None] * 8 + tl.arange(0, 8)[None, :]
         else:  # written out here: the interpreter does not see jit helpers defined in this closure
             pi = r[:, None] * 32 + tl.arange(0, 32)[None, :]
             q = tl.load(p_ptr + pi, mask=pi < 8 * groups, other=0).to(tl.int32)

@@ -3,7 +3,8 @@ compiled for Hopper (sm_90) on this CPU machine by scripts/expert_kernel_resourc
 this is what `make test` sees of it: it must compile at M3's shapes, fit in shared memory, not spill in any partition,
 and keep its MMAs asynchronous (ptxas reports C7514 when it serializes them). Its results are checked on the GPU
 (tests/quant/test_kernels_gpu.py, *_gluon_*). The same compile checks the bf16 weight decode of the decode + cuBLAS
-path (quant.kernels.nvfp4_dequant) for the property its speed rests on: no shared memory between decode and store; and
+path (quant.kernels.nvfp4_dequant) for the properties its speed rests on: no shared memory between decode and store,
+loads that coalesce; and
 that the fused Triton expert GEMMs and the MXFP8 linear's kernels compile and fit. Under each supported Triton."""
 
 import json
@@ -30,6 +31,11 @@ def test_gluon_expert_gemm_compiles_for_hopper(triton_version):
     assert [d["EVEN"] for d in report["decode"]] == [True, False]
     for d in report["decode"]:
         assert d["shared_bytes"] == 0 and d["stack_bytes"] == 0, d
+        # and its word and scale loads are flat runs with consecutive lanes on consecutive elements: coalesced under
+        # every Triton (a [8, rows] tile had the lanes on the words under 3.6 but on the rows under 3.7/3.8, 32-byte
+        # strided loads and 128-byte strided stores: 3.6x slower, run130)
+        assert [(x["dtype"], x["shape"], x["sizePerThread"], x["threadsPerWarp"]) for x in d["loads"]] == [
+            ("i32", [8 * d["R"]], [1], [32]), ("i8", [8 * d["R"]], [1], [32])], d["loads"]
     # the fused Triton expert GEMMs and the MXFP8 linear's kernels at the tiles their configs pick under this Triton:
     # they compile and fit (Triton 3.8's BM=256 forward at 3 stages needed 246 KB: nvfp4_moe_gemm.fwd_config)
     assert [(k["kernel"], k["rows"]) for k in report["triton_gemm"]] == [
