@@ -24,7 +24,7 @@ import torch
 
 from quant import forms
 from quant._common import check_dtype
-from quant.kernels._triton import triton_available
+from quant.kernels._triton import triton_available, triton_version
 from quant.kernels.nvfp4_dequant import dequant_dgrad, dequant_fwd
 from quant.kernels.nvfp4_moe_gemm import gluon_dgrad_device, launch_dgrad, launch_fwd
 
@@ -123,13 +123,20 @@ def nvfp4_moe_linear_reference(
 # "dgrad_gluon": the input gradient where the Gluon kernel is the kernel (sm_90, nvfp4_moe_gemm.GLUON_DGRAD_MIN_ROWS):
 # Gluon 17.4 vs decode 18.0 ms at 512 rows, 30.7 vs 29.5 at 1024 (results/gpu/run40/bench_expert.json).
 DEQUANT_MIN_ROWS = {"fwd": 768, "dgrad": 384, "dgrad_gluon": 768}
+# Under Triton 3.8+ (torch 2.14) the fused forward's kernels are slower (nvfp4_moe_gemm.gluon_fwd_default), and the
+# decode path's forward wins from fewer rows: on an H100 at 512 rows (16K tokens) 17.8 ms against 22.1 for the
+# Triton kernel and 19.8 for the Gluon one; at 128 rows 13.2 against 9.7 and 7.7 (results/gpu/run129, run131)
+FWD_DEQUANT_MIN_ROWS_TRITON_3_8 = 512
 
 
 def _pick(impl, m, num_experts, direction, gluon=False):
     if impl in ("kernel", "dequant"):
         return impl
     key = "dgrad_gluon" if gluon and direction == "dgrad" else direction
-    return "dequant" if m >= DEQUANT_MIN_ROWS[key] * num_experts else "kernel"
+    rows = DEQUANT_MIN_ROWS[key]
+    if key == "fwd" and triton_version() >= (3, 8):
+        rows = min(rows, FWD_DEQUANT_MIN_ROWS_TRITON_3_8)
+    return "dequant" if m >= rows * num_experts else "kernel"
 
 
 def _host(gs, offsets):

@@ -259,6 +259,15 @@ def gluon_dgrad_device(t, decoder=None) -> bool:
     return (decoder or DEFAULT_DECODER) == DEFAULT_DECODER and gluon_available(t)
 
 
+def gluon_fwd_default(x, m: int, num_experts: int, decoder=None) -> bool:
+    """Whether ``launch_fwd`` without a config runs the Gluon kernel (``GLUON_DGRAD_CONFIG``'s tiles): under Triton
+    3.8+ only, above ``GLUON_DGRAD_MIN_ROWS`` rows per expert. 3.8 splits this forward's 128-deep dot in two and takes
+    half of the decoded tile through shared memory (results/triton_versions.json), 1.4-1.5x slower than under 3.6; the
+    Gluon kernel lays its tiles out itself. Run129 (an H100, Triton 3.8, gate_up + down): 4K tokens 7.71 ms against
+    9.82 for the Triton kernel (3.6: Triton 6.51, Gluon 7.65; run128 on an H200: 7.77 against 10.09)."""
+    return triton_version() >= (3, 8) and gluon_dgrad_default(x, m, num_experts, decoder)
+
+
 def gluon_dgrad_default(dy, m: int, num_experts: int, decoder=None) -> bool:
     """Whether ``launch_dgrad`` without a config runs the Gluon kernel for these rows of ``dy`` (contiguous; its TMA
     needs 16-byte aligned rows)."""
@@ -282,15 +291,17 @@ def _prep(packed, scale, decoder):
 def launch_fwd(x, packed, scale, gs, offsets, out=None, config=None, decoder=None):
     """Forward kernel: y [M, N] bf16 (into ``out`` if given); ``config`` overrides ``fwd_config``'s tiles;
     ``config={"GLUON": True, ...}`` runs the Gluon kernel of ``nvfp4_moe_gluon`` instead (sm_90; slower than these
-    forward kernels at 4K-32K tokens, run38)."""
+    forward kernels at 4K-32K tokens under Triton 3.6, run38; the default under 3.8: ``gluon_fwd_default``)."""
     triton, fwd_kernel, _ = _kernels()
     e, n, kh = packed.shape
     k = kh * 2
     m = x.shape[0]
     decoder = decoder or DEFAULT_DECODER
+    x = x.contiguous()
+    if config is None and gluon_fwd_default(x, m, e, decoder):
+        config = GLUON_DGRAD_CONFIG
     cfg = dict(fwd_config(m, e), **(config or {}))
     words, sbytes, kw = _prep(packed, scale, decoder)
-    x = x.contiguous()
     if out is None:
         out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     if m == 0:

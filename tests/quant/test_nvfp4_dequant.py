@@ -79,20 +79,30 @@ def test_chunked_expert_gemms_match_the_reference(chunk):
         assert rel <= 2.0**-8, rel
 
 
-def test_path_picks_by_rows_per_expert_and_device():
-    """The per-call path: the fused kernels below DEQUANT_MIN_ROWS rows per expert, decode + cuBLAS from there; the
+@pytest.mark.parametrize("version", [(3, 6), (3, 7), (3, 8), (3, 9)])
+def test_path_picks_by_rows_per_expert_and_device(monkeypatch, version):
+    """The per-call path: the fused kernels below DEQUANT_MIN_ROWS rows per expert, decode + cuBLAS from there (the
+    forward from FWD_DEQUANT_MIN_ROWS_TRITON_3_8 under Triton 3.8+, unless DEQUANT_MIN_ROWS asks for fewer); the
     input gradient's threshold is "dgrad_gluon" where the Gluon kernel runs (sm_90), and never on CPU tensors."""
     from quant.kernels import nvfp4_moe_gemm as gemm
 
-    e, rows = 128, moe.DEQUANT_MIN_ROWS
-    assert moe._pick(None, rows["fwd"] * e - 1, e, "fwd") == "kernel"
-    assert moe._pick(None, rows["fwd"] * e, e, "fwd") == "dequant"
+    monkeypatch.setattr(moe, "triton_version", lambda: version)
+    monkeypatch.setattr(gemm, "triton_version", lambda: version)
+    e, rows = 128, dict(moe.DEQUANT_MIN_ROWS)
+    fwd = moe.FWD_DEQUANT_MIN_ROWS_TRITON_3_8 if version >= (3, 8) else rows["fwd"]
+    assert fwd == (512 if version >= (3, 8) else 768)
+    assert moe._pick(None, fwd * e - 1, e, "fwd") == "kernel"
+    assert moe._pick(None, fwd * e, e, "fwd") == "dequant"
+    monkeypatch.setitem(moe.DEQUANT_MIN_ROWS, "fwd", 0)  # the trainer's GPU test forces the decode path this way
+    assert moe._pick(None, 1, e, "fwd") == "dequant"
+    monkeypatch.setitem(moe.DEQUANT_MIN_ROWS, "fwd", rows["fwd"])
     assert moe._pick(None, rows["dgrad"] * e, e, "dgrad", gluon=False) == "dequant"
     assert moe._pick(None, rows["dgrad_gluon"] * e - 1, e, "dgrad", gluon=True) == "kernel"
     assert moe._pick(None, rows["dgrad_gluon"] * e, e, "dgrad", gluon=True) == "dequant"
     assert moe._pick("kernel", 10**9, e, "dgrad") == "kernel" and moe._pick("dequant", 1, e, "fwd") == "dequant"
     cpu = torch.zeros(4, 8, dtype=torch.bfloat16)
     assert not gemm.gluon_available(cpu) and not gemm.gluon_dgrad_default(cpu, 10**6, e)
+    assert not gemm.gluon_fwd_default(cpu, 10**6, e)
     assert not gemm.gluon_dgrad_device(cpu, None) and not gemm.gluon_dgrad_device(cpu, "triton")
 
 
