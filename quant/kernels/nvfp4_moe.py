@@ -125,7 +125,7 @@ def nvfp4_moe_linear_reference(
 DEQUANT_MIN_ROWS = {"fwd": 768, "dgrad": 384, "dgrad_gluon": 768}
 # Under Triton 3.8+ (torch 2.14) the fused forward's kernels are slower (nvfp4_moe_gemm.gluon_fwd_default), and the
 # decode path's forward wins from fewer rows: on an H100 at 512 rows (16K tokens) 17.8 ms against 22.1 for the
-# Triton kernel and 19.8 for the Gluon one; at 128 rows 13.2 against 9.7 and 7.7 (results/gpu/run129, run131)
+# Triton kernel and 20.2 for the Gluon one; at 128 rows 13.2 against 9.7 and 7.7 (results/gpu/run129, run131)
 FWD_DEQUANT_MIN_ROWS_TRITON_3_8 = 512
 
 
