@@ -11,7 +11,7 @@ decoder, and with --base DIR the decode of another checkout (``DIR/quant/kernels
 For the default tile it also splits the time into host and GPU: the host time to enqueue one launch (the GPU idle
 first, so no launch waits on a full queue) and the decode kernel's own time in a torch profile; ``--dump DIR`` writes
 each compiled decode kernel's metadata, PTX and sm_90 SASS (to compare one Triton's codegen with another's, e.g. the
-3.6 and 3.8 of run128).
+3.6 and 3.8 of run129; a device call returns 8 files: tar the folder).
 
     python scripts/bench_nvfp4_decode.py [--base base] [--dump DIR] --out results/gpu/runNN/bench_decode.json
 """
@@ -67,7 +67,7 @@ def dump_kernels(kernel, folder: str):
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     index = []
     for cache in [c[0] for c in kernel.device_caches.values()]:
-        for i, (key, compiled) in enumerate(cache.items()):
+        for key, compiled in cache.items():
             name = f"decode_{len(index)}"
             with open(os.path.join(folder, name + ".ptx"), "w") as f:
                 f.write(compiled.asm["ptx"])

@@ -70,7 +70,7 @@ def _kernel():
             # lanes on consecutive words, and each thread's 8 decoded codes are the 16-byte vector of the store.
             # Flat, not [8, R] or [R, 8]: with two dims of unknown contiguity Triton 3.6 puts the lanes on the first
             # and 3.7/3.8 on the last, and the dim that is not the words gives 32-byte strided loads and 128-byte
-            # strided stores (3.6x slower under 3.8 on an H100, run130). (Loaded 16 bytes per thread, Triton moved
+            # strided stores (3.6x slower under 3.8 on an H100, run129). (Loaded 16 bytes per thread, Triton moved
             # the decoded tile through shared memory to the store's layout: 17 barriers per program.)
             j = pid * (8 * R) + tl.arange(0, 8 * R)
             wi = (j // 8) * 8 + (j % 8) * one
