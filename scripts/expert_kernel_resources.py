@@ -96,7 +96,7 @@ def mxfp8_reports():
 def decode_reports():
     """The decode + cuBLAS path's weight decode (quant.kernels.nvfp4_dequant) at its default tile, asm branch, with
     and without masks: its layouts are chosen so that no shared memory moves the decoded tile (run77: 3.9 TB/s) and
-    consecutive lanes load consecutive words (its loads' layouts; run130: 3.6x slower under Triton 3.8 without)."""
+    consecutive lanes load consecutive words (its loads' layouts; run129: 3.6x slower under Triton 3.8 without)."""
     from quant.kernels import nvfp4_dequant as nd
 
     _, kernel = nd._kernel()

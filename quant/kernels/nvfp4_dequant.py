@@ -63,7 +63,6 @@ def _kernel():
         # the other branch take ~15 per code, which held this kernel to ~3.0 TB/s on the H200, run42); else the
         # bytes' integer fields as fp32 bits (no fp8 type or asm: the same code runs under the CPU interpreter).
         pid = tl.program_id(0).to(tl.int64)
-        r = pid * R + tl.arange(0, R)
         if ASM:
             # The words as one flat run, one per thread (row r's word w at 8r + w), each with its scale byte beside
             # it: `one` is 1 at run time but unknown to the compiler, so the loads stay 4 bytes wide with consecutive
@@ -84,6 +83,7 @@ def _kernel():
             w = tl.reshape(decode_words(p32, sb, False), (8 * R, 8))
             o = j[:, None] * 8 + tl.arange(0, 8)[None, :]
         else:  # written out here: the interpreter does not see jit helpers defined in this closure
+            r = pid * R + tl.arange(0, R)
             pi = r[:, None] * 32 + tl.arange(0, 32)[None, :]
             q = tl.load(p_ptr + pi, mask=pi < 8 * groups, other=0).to(tl.int32)
             g = r[:, None] * 4 + tl.arange(0, 4)[None, :]

@@ -33,7 +33,7 @@ def test_gluon_expert_gemm_compiles_for_hopper(triton_version):
         assert d["shared_bytes"] == 0 and d["stack_bytes"] == 0, d
         # and its word and scale loads are flat runs with consecutive lanes on consecutive elements: coalesced under
         # every Triton (a [8, rows] tile had the lanes on the words under 3.6 but on the rows under 3.7/3.8, 32-byte
-        # strided loads and 128-byte strided stores: 3.6x slower, run130)
+        # strided loads and 128-byte strided stores: 3.6x slower, run129)
         assert [(x["dtype"], x["shape"], x["sizePerThread"], x["threadsPerWarp"]) for x in d["loads"]] == [
             ("i32", [8 * d["R"]], [1], [32]), ("i8", [8 * d["R"]], [1], [32])], d["loads"]
     # the fused Triton expert GEMMs and the MXFP8 linear's kernels at the tiles their configs pick under this Triton:

@@ -95,7 +95,6 @@ def test_path_picks_by_rows_per_expert_and_device(monkeypatch, version):
     assert moe._pick(None, fwd * e, e, "fwd") == "dequant"
     monkeypatch.setitem(moe.DEQUANT_MIN_ROWS, "fwd", 0)  # the trainer's GPU test forces the decode path this way
     assert moe._pick(None, 1, e, "fwd") == "dequant"
-    monkeypatch.setitem(moe.DEQUANT_MIN_ROWS, "fwd", rows["fwd"])
     assert moe._pick(None, rows["dgrad"] * e, e, "dgrad", gluon=False) == "dequant"
     assert moe._pick(None, rows["dgrad_gluon"] * e - 1, e, "dgrad", gluon=True) == "kernel"
     assert moe._pick(None, rows["dgrad_gluon"] * e, e, "dgrad", gluon=True) == "dequant"
